@@ -1,0 +1,86 @@
+"""The ``relax-launch`` command line. Thin: each command calls library functions.
+
+Imports stay light (no torch, SGLang, Megatron or web stack) so ``--help`` and ``plan`` answer
+in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from relax_launch import __version__
+from relax_launch.config import ConfigError, JobConfig, load_config
+from relax_launch.placement import PlacementPlan, plan, preflight
+from relax_launch.placement.render import table, write_picture
+
+
+def _load_and_plan(
+    config_path: str, overrides: tuple[str, ...], nnodes: int | None, nproc: int | None
+) -> tuple[JobConfig, PlacementPlan, list[str]]:
+    job = load_config(config_path, overrides)
+    placement = plan(job, nnodes=nnodes, nproc_per_node=nproc)
+    return job, placement, preflight(job, placement, require_models=False)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"relax-launch: {message}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="relax-launch")
+def main() -> None:
+    """RL post-training of LLMs (GRPO, on-policy distillation, GenRM) as one torchrun job."""
+
+
+@main.command("plan")
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option(
+    "--nnodes", type=click.IntRange(min=1), help="Plan for N nodes (default: cluster.nnodes)."
+)
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    help="Ranks per node (default: cluster.nproc_per_node).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table.")
+@click.option(
+    "--picture", type=click.Path(dir_okay=False), help="Also draw the plan to FILE.svg or FILE.png."
+)
+def plan_command(
+    config_path: str,
+    overrides: tuple[str, ...],
+    nnodes: int | None,
+    nproc_per_node: int | None,
+    as_json: bool,
+    picture: str | None,
+) -> None:
+    """Validate CONFIG and print its rank map: rank, node, roles, engine, phase.
+
+    Exits 2 with the reason on stderr when the config or its placement is rejected.
+    """
+    try:
+        _, placement, warnings = _load_and_plan(config_path, overrides, nnodes, nproc_per_node)
+        if picture:
+            click.echo(f"picture: {write_picture(placement, picture)}", err=True)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    click.echo(placement.to_json() if as_json else table(placement))
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+@main.command("config")
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def config_command(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Validate CONFIG and print it in full, defaults included, as JSON."""
+    try:
+        job = load_config(config_path, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(job.model_dump(mode="json"), indent=2))

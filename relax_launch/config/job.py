@@ -1,0 +1,143 @@
+"""JobConfig: the whole job, built from its components' sections, plus cross-section rules."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from relax_launch.config.section import Section
+from relax_launch.inference.config import (
+    GatewayConfig,
+    GenRMConfig,
+    InferenceRoleConfig,
+    RolloutConfig,
+    TeacherConfig,
+)
+from relax_launch.placement.config import ClusterConfig, PlacementConfig
+from relax_launch.rl.config import AlgorithmConfig, DataConfig, RewardConfig
+from relax_launch.runtime.config import CheckpointConfig, LoggingConfig
+from relax_launch.trainer.config import TrainerConfig
+from relax_launch.weights.config import WeightSyncConfig
+
+INFERENCE_ROLES = ("rollout", "genrm", "teacher")
+
+
+class JobConfig(Section):
+    """One relax-launch job. The same schema backs YAML files and the Python API."""
+
+    name: str = Field(
+        "relax-job", pattern=r"^[A-Za-z0-9_.-]+$", description="Job name (logs, run directory)."
+    )
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cluster shape.")
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="Placement mode."
+    )
+    trainer: TrainerConfig = Field(description="The Megatron-core trainer.")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="The rollout policy engines."
+    )
+    teacher: TeacherConfig | None = Field(None, description="Teacher engines; unset: no teacher.")
+    genrm: GenRMConfig | None = Field(None, description="GenRM judge engines; unset: no judge.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Algorithm.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward sources.")
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="Trainer -> rollout weight sync."
+    )
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="HTTP gateway.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logs and metrics.")
+
+    def inference_roles(self) -> dict[str, InferenceRoleConfig]:
+        """The configured inference roles, in placement order (rollout, genrm, teacher)."""
+        roles = {"rollout": self.rollout, "genrm": self.genrm, "teacher": self.teacher}
+        return {name: cfg for name, cfg in roles.items() if cfg is not None}
+
+    def rollout_model(self) -> str:
+        """The rollout engines' model: rollout.model, or the trainer's."""
+        return self.rollout.model or self.trainer.model
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> JobConfig:
+        problems = _role_usage_problems(self) + _colocation_problems(self) + _engine_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _role_usage_problems(job: JobConfig) -> list[str]:
+    problems = []
+    if job.teacher is None and job.algorithm.distill_coef > 0:
+        problems.append(
+            "algorithm.distill_coef > 0 needs a teacher: add a teacher section with its model, "
+            "or set algorithm.distill_coef=0."
+        )
+    if job.teacher is not None and job.algorithm.distill_coef == 0:
+        problems.append(
+            "teacher is configured but algorithm.distill_coef is 0, so its engines would idle: "
+            "set algorithm.distill_coef > 0 or remove the teacher section."
+        )
+    if job.genrm is None and job.reward.uses_genrm:
+        problems.append(
+            "reward.sources has a genrm source but no genrm section: add genrm with its model, "
+            "or drop that source."
+        )
+    if job.genrm is not None and not job.reward.uses_genrm:
+        problems.append(
+            "genrm is configured but no reward.sources entry has genrm: true, so its engines would "
+            "idle: add a source {name: judge, genrm: true} or remove the genrm section."
+        )
+    return problems
+
+
+def _colocation_problems(job: JobConfig) -> list[str]:
+    mode = job.placement.mode
+    if mode == "decoupled":
+        if job.trainer.ranks is None:
+            return [
+                "trainer.ranks is required in placement.mode=decoupled (the trainer's own ranks)."
+            ]
+        if job.trainer.ranks < 1:
+            return [f"trainer.ranks must be at least 1 (got {job.trainer.ranks})."]
+        return []
+    problems = []
+    if job.trainer.ranks is not None:
+        problems.append(
+            f"trainer.ranks is set but placement.mode={mode} puts the trainer on every rank: "
+            "remove trainer.ranks (or use placement.mode=decoupled)."
+        )
+    if job.algorithm.off_policy_steps:
+        problems.append(
+            f"algorithm.off_policy_steps=1 overlaps generation with training, which "
+            f"placement.mode={mode} cannot do (roles share ranks): set it to 0 or use decoupled."
+        )
+    unloaded = ["trainer"] if not job.trainer.offload else []
+    unloaded += [n for n, r in job.inference_roles().items() if not r.offload]
+    if unloaded:
+        problems.append(
+            f"placement.mode={mode} shares ranks between the trainer and inference roles, so "
+            "each must release its memory between phases: set "
+            + ", ".join(f"{n}.offload=true" for n in unloaded)
+            + "."
+        )
+    return problems
+
+
+def _engine_problems(job: JobConfig) -> list[str]:
+    problems = []
+    for name, role in job.inference_roles().items():
+        if job.cluster.device == "cpu" and "max_total_tokens" not in role.engine:
+            problems.append(
+                f"{name}.engine.max_total_tokens is required with cluster.device=cpu (SGLang "
+                "would otherwise size its KV cache from host memory): set e.g. "
+                f"{name}.engine.max_total_tokens=4096."
+            )
+        context = role.engine.get("context_length")
+        needed = job.data.max_prompt_tokens + job.data.max_response_tokens
+        if name == "rollout" and context is not None and context < needed:
+            problems.append(
+                f"rollout.engine.context_length={context} is shorter than data.max_prompt_tokens "
+                f"+ data.max_response_tokens = {needed}: raise it or shorten the data limits."
+            )
+    return problems

@@ -1,0 +1,173 @@
+"""Config sections owned by inference: the three inference roles and the gateway."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from relax_launch.config.section import Section
+
+# SGLang server arguments that the planner sets per engine; a user value would contradict it.
+PLANNER_OWNED_ENGINE_KEYS = frozenset(
+    {
+        "model_path",
+        "tp_size",
+        "pp_size",
+        "dp_size",
+        "nnodes",
+        "node_rank",
+        "base_gpu_id",
+        "gpu_id_step",
+        "dist_init_addr",
+        "host",
+        "port",
+        "nccl_port",
+        "device",
+    }
+)
+
+
+class InferenceRoleConfig(Section):
+    """One inference role: its model, its ranks, and how they group into SGLang engines."""
+
+    model: str | None = Field(None, description="Model: a Hugging Face directory or builtin:NAME.")
+    ranks: int = Field(1, description="Ranks this role uses, in total over all its engines.")
+    ranks_per_engine: int = Field(
+        1, ge=1, description="Ranks of one engine (= engine tp_size x pp_size)."
+    )
+    tp_size: int | None = Field(
+        None, ge=1, description="Engine tensor-parallel size; default ranks_per_engine / pp_size."
+    )
+    pp_size: int = Field(1, ge=1, description="Engine pipeline-parallel size.")
+    offload: bool = Field(
+        False,
+        description="Release engine memory outside this role's phase; required when the role "
+        "shares ranks with the trainer ('split', 'defer').",
+    )
+    weight_updates: bool = Field(
+        False, description="Engines take weight updates from the trainer (rollout only)."
+    )
+    lora_adapters: tuple[str, ...] = Field(
+        (), description="LoRA adapter directories loaded at engine start (rollout only)."
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra SGLang server arguments, e.g. {max_total_tokens: 4096}. Placement "
+        "fields (tp_size, port, base_gpu_id, ...) belong to the planner and are rejected.",
+    )
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks_positive(cls, ranks: int) -> int:
+        if ranks < 1:
+            raise ValueError(
+                f"must be at least 1 (got {ranks}); to run without this role, remove its section"
+            )
+        return ranks
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_keys_not_planner_owned(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(PLANNER_OWNED_ENGINE_KEYS.intersection(engine))
+        if owned:
+            raise ValueError(
+                f"{', '.join(owned)} are set by the placement planner; remove them from engine "
+                "(use ranks_per_engine, tp_size and pp_size of the role instead)"
+            )
+        return engine
+
+    @model_validator(mode="after")
+    def _engine_width_matches(self) -> InferenceRoleConfig:
+        if self.ranks_per_engine % self.pp_size:
+            raise ValueError(
+                f"pp_size={self.pp_size} does not divide ranks_per_engine="
+                f"{self.ranks_per_engine}; an engine is tp_size x pp_size ranks"
+            )
+        if self.tp_size is not None and self.tp_size * self.pp_size != self.ranks_per_engine:
+            raise ValueError(
+                f"tp_size x pp_size = {self.tp_size} x {self.pp_size} must equal "
+                f"ranks_per_engine={self.ranks_per_engine}; set ranks_per_engine="
+                f"{self.tp_size * self.pp_size} or change tp_size/pp_size"
+            )
+        return self
+
+    @property
+    def engine_tp_size(self) -> int:
+        """Tensor-parallel size of one engine."""
+        return self.tp_size or self.ranks_per_engine // self.pp_size
+
+    @property
+    def num_engines(self) -> int:
+        """Engines of this role (ranks / ranks_per_engine, when it divides)."""
+        return self.ranks // self.ranks_per_engine
+
+
+class RolloutConfig(InferenceRoleConfig):
+    """The policy served by SGLang; takes the trainer's weights after every step."""
+
+    model: str | None = Field(
+        None, description="Rollout model; default trainer.model (it must match the trainer's)."
+    )
+    weight_updates: bool = Field(
+        True, description="Engines take weight updates from the trainer; must stay true."
+    )
+
+    @field_validator("weight_updates")
+    @classmethod
+    def _rollout_takes_updates(cls, weight_updates: bool) -> bool:
+        if not weight_updates:
+            raise ValueError("the rollout policy must take the trainer's weights; remove it")
+        return weight_updates
+
+
+class StaticRoleConfig(InferenceRoleConfig):
+    """A static model (teacher, genrm): never joins weight sync, never loads LoRA."""
+
+    model: str = Field(description="Model: a Hugging Face directory or builtin:NAME.")
+
+    @field_validator("weight_updates")
+    @classmethod
+    def _static_refuses_updates(cls, weight_updates: bool) -> bool:
+        if weight_updates:
+            raise ValueError(
+                "this role serves a static model and never takes weight updates; remove "
+                "weight_updates (only rollout follows the trainer)"
+            )
+        return weight_updates
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _static_refuses_lora(cls, lora_adapters: tuple[str, ...]) -> tuple[str, ...]:
+        if lora_adapters:
+            raise ValueError(
+                "this role serves a static model and loads no LoRA adapters; remove "
+                "lora_adapters (only rollout may use them)"
+            )
+        return lora_adapters
+
+
+class TeacherConfig(StaticRoleConfig):
+    """The teacher of on-policy distillation: scores the student's tokens with logprobs."""
+
+
+class GenRMConfig(StaticRoleConfig):
+    """The LLM judge whose parsed score is a reward source."""
+
+
+class GatewayConfig(Section):
+    """The HTTP gateway thread on rank 0."""
+
+    host: str = Field("127.0.0.1", description="Bind address; loopback by default.")
+    port: int = Field(0, ge=0, le=65535, description="Bind port; 0 picks a free one and logs it.")
+    admin_token_env: str = Field(
+        "RELAX_ADMIN_TOKEN", description="Environment variable holding the admin bearer token."
+    )
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Upstream request timeout, seconds.")
+    routing_policy: Literal["round_robin", "affinity"] = Field(
+        "round_robin", description="Engine choice: round robin, or affinity by routing-key header."
+    )
+    rollout_route_mode: Literal["direct", "router"] = Field(
+        "direct", description="Rollout traffic straight to engines, or through sglang-router."
+    )

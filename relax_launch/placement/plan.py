@@ -1,0 +1,155 @@
+"""PlacementPlan: the immutable rank map every rank computes identically from config + world."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RoleAssignment:
+    """One role a rank serves. Inference roles name their engine; the trainer its coordinates."""
+
+    role: str
+    phase: str
+    engine_index: int | None = None
+    engine_rank: int | None = None
+    is_head: bool = False
+    tp_rank: int | None = None
+    pp_rank: int | None = None
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one global rank does."""
+
+    rank: int
+    node: int
+    local_rank: int
+    assignments: tuple[RoleAssignment, ...]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(a.role for a in self.assignments)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """One SGLang engine: its ranks (head first) and parallel sizes."""
+
+    role: str
+    index: int
+    ranks: tuple[int, ...]
+    tp_size: int
+    pp_size: int
+    phase: str
+    nodes: tuple[int, ...]
+
+    @property
+    def head_rank(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """Megatron's grid over the trainer ranks (tp fastest, then dp, then pp)."""
+
+    ranks: tuple[int, ...]
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    phase: str
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global trainer rank."""
+        local = rank - self.ranks[0]  # trainer ranks are contiguous
+        return (
+            local % self.tp_size,
+            (local // self.tp_size) % self.dp_size,
+            local // (self.tp_size * self.dp_size),
+        )
+
+    def pp_stage_source(self, pp_rank: int) -> int:
+        """The global rank (tp 0, dp 0) that sends pipeline stage ``pp_rank``'s weights."""
+        return self.ranks[pp_rank * self.tp_size * self.dp_size]
+
+
+@dataclass(frozen=True)
+class WeightSyncGroup:
+    """One broadcast group: a pipeline stage's source rank plus every rollout engine worker.
+
+    SGLang workers join at ``rank_offset`` (source is rank 0 of the group), one offset per
+    engine, as ``init_weights_update_group`` expects.
+    """
+
+    pp_rank: int
+    source_rank: int
+    engine_rank_offsets: tuple[tuple[int, int], ...]
+    world_size: int
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """The whole job's rank map. Pure data: JSON round-trips and hashes stably."""
+
+    mode: str
+    nnodes: int
+    nproc_per_node: int
+    ranks: tuple[RankPlan, ...]
+    engines: tuple[EnginePlan, ...]
+    trainer: TrainerLayout
+    phase_order: tuple[str, ...]
+    weight_sync_groups: tuple[WeightSyncGroup, ...]
+    config_digest: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def engines_of(self, role: str) -> tuple[EnginePlan, ...]:
+        return tuple(e for e in self.engines if e.role == role)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> PlacementPlan:
+        data = json.loads(text)
+        return cls(
+            mode=data["mode"],
+            nnodes=data["nnodes"],
+            nproc_per_node=data["nproc_per_node"],
+            ranks=tuple(
+                RankPlan(
+                    rank=r["rank"],
+                    node=r["node"],
+                    local_rank=r["local_rank"],
+                    assignments=tuple(RoleAssignment(**a) for a in r["assignments"]),
+                )
+                for r in data["ranks"]
+            ),
+            engines=tuple(_tupled(EnginePlan, e) for e in data["engines"]),
+            trainer=_tupled(TrainerLayout, data["trainer"]),
+            phase_order=tuple(data["phase_order"]),
+            weight_sync_groups=tuple(
+                _tupled(WeightSyncGroup, g) for g in data["weight_sync_groups"]
+            ),
+            config_digest=data["config_digest"],
+        )
+
+    def stable_hash(self) -> str:
+        """16 hex digits identifying this plan; equal on every rank that planned the same job."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+def _tupled(cls: type, data: dict[str, Any]) -> Any:
+    """Build a frozen dataclass from JSON, turning lists back into tuples."""
+    return cls(**{k: _as_tuple(v) for k, v in data.items()})
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value

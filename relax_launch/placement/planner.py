@@ -1,0 +1,259 @@
+"""plan(): config + world shape -> PlacementPlan, rejecting every impossible layout first.
+
+Pure arithmetic: no torch, no process group, no filesystem. Every rejection is a ConfigError
+naming the config fields at fault and what to change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from relax_launch.config.errors import ConfigError
+from relax_launch.placement.plan import (
+    EnginePlan,
+    PlacementPlan,
+    RankPlan,
+    RoleAssignment,
+    TrainerLayout,
+    WeightSyncGroup,
+)
+
+if TYPE_CHECKING:
+    from relax_launch.config.job import JobConfig
+
+# Inference roles in the order they take rank slices (decoupled, split) and phases (defer).
+SLICE_ORDER = ("rollout", "genrm", "teacher")
+DEFER_PHASE_ORDER = ("rollout", "teacher", "genrm")
+
+
+def plan(
+    job: JobConfig,
+    *,
+    nnodes: int | None = None,
+    nproc_per_node: int | None = None,
+    world_size: int | None = None,
+) -> PlacementPlan:
+    """Place every role of ``job`` on ``nnodes x nproc_per_node`` ranks (default: job.cluster).
+
+    ``world_size``, when given (torchrun's WORLD_SIZE), must equal nnodes x nproc_per_node.
+    """
+    nnodes = nnodes or job.cluster.nnodes
+    per_node = nproc_per_node or job.cluster.nproc_per_node
+    world = nnodes * per_node
+    if world_size is not None and world_size != world:
+        raise ConfigError(
+            f"the launcher started {world_size} ranks but cluster.nnodes x cluster.nproc_per_node"
+            f" = {nnodes} x {per_node} = {world}: make torchrun's --nnodes/--nproc-per-node match"
+            " the config (or override cluster.nnodes / cluster.nproc_per_node).",
+            ("cluster.nnodes", "cluster.nproc_per_node"),
+        )
+    starts = _role_starts(job, world)
+    trainer = _trainer_layout(job, world, per_node)
+    engines = _engines(job, starts, per_node)
+    _check_batch(job, trainer)
+    return PlacementPlan(
+        mode=job.placement.mode,
+        nnodes=nnodes,
+        nproc_per_node=per_node,
+        ranks=_rank_plans(world, per_node, trainer, engines),
+        engines=engines,
+        trainer=trainer,
+        phase_order=_phase_order(job),
+        weight_sync_groups=_weight_sync_groups(trainer, engines),
+        config_digest=hashlib.sha256(job.model_dump_json().encode()).hexdigest()[:16],
+    )
+
+
+def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
+    """First global rank of each inference role, after checking the rank budget."""
+    roles = job.inference_roles()
+    mode = job.placement.mode
+    budget = " + ".join(f"{n}.ranks={roles[n].ranks}" for n in SLICE_ORDER if n in roles)
+    if mode == "defer":
+        too_big = [n for n in SLICE_ORDER if n in roles and roles[n].ranks > world]
+        if too_big:
+            raise ConfigError(
+                f"placement.mode=defer runs each role on ranks 0.. of the {world}-rank world, but "
+                + ", ".join(f"{n}.ranks={roles[n].ranks}" for n in too_big)
+                + f" exceed it: lower them to at most {world} or add ranks to the cluster.",
+                tuple(f"{n}.ranks" for n in too_big),
+            )
+        return {n: 0 for n in roles}
+    offset = job.trainer.ranks if mode == "decoupled" else 0
+    starts = {}
+    for name in SLICE_ORDER:
+        if name in roles:
+            starts[name] = offset
+            offset += roles[name].ranks
+    fields = tuple(f"{n}.ranks" for n in roles)
+    if mode == "split" and offset > world:
+        raise ConfigError(
+            f"placement.mode=split gives inference roles disjoint slices of the {world} trainer "
+            f"ranks, but {budget} = {offset}: same-phase co-residency is unsupported. Lower them "
+            "to fit, or use placement.mode=defer to run the roles in separate phases.",
+            fields,
+        )
+    if mode == "decoupled" and offset != world:
+        verb = "leaves" if offset < world else "needs"
+        gap = abs(world - offset)
+        raise ConfigError(
+            f"placement.mode=decoupled needs every rank owned by exactly one role, but "
+            f"trainer.ranks={job.trainer.ranks} + {budget} = {offset} for a {world}-rank world "
+            f"({verb} {gap} rank{'s' * (gap != 1)}{' idle' if offset < world else ' more'}): "
+            "change the roles' ranks or cluster.nnodes / cluster.nproc_per_node to match.",
+            ("trainer.ranks", *fields),
+        )
+    return starts
+
+
+def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
+    cfg = job.trainer
+    num = cfg.ranks if job.placement.mode == "decoupled" else world
+    if num > world:
+        raise ConfigError(
+            f"trainer.ranks={num} exceeds the {world} ranks of the cluster: lower it or add ranks.",
+            ("trainer.ranks",),
+        )
+    if num % (cfg.tp_size * cfg.pp_size):
+        raise ConfigError(
+            f"trainer tp_size x pp_size = {cfg.tp_size} x {cfg.pp_size} does not divide the "
+            f"{num} trainer ranks: choose sizes whose product divides {num}.",
+            ("trainer.tp_size", "trainer.pp_size"),
+        )
+    if cfg.tp_size > per_node or per_node % cfg.tp_size:
+        raise ConfigError(
+            f"trainer.tp_size={cfg.tp_size} would make a tensor-parallel group cross a node "
+            f"boundary ({per_node} ranks per node): use a tp_size that divides "
+            f"cluster.nproc_per_node={per_node}, and pp_size or data parallelism across nodes.",
+            ("trainer.tp_size", "cluster.nproc_per_node"),
+        )
+    phase = "resident" if job.placement.mode == "decoupled" else "train"
+    return TrainerLayout(
+        ranks=tuple(range(num)),
+        tp_size=cfg.tp_size,
+        pp_size=cfg.pp_size,
+        dp_size=num // (cfg.tp_size * cfg.pp_size),
+        phase=phase,
+    )
+
+
+def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[EnginePlan, ...]:
+    engines = []
+    for name in SLICE_ORDER:
+        role = job.inference_roles().get(name)
+        if role is None:
+            continue
+        width = role.ranks_per_engine
+        if role.ranks % width:
+            raise ConfigError(
+                f"{name}.ranks={role.ranks} is not a multiple of {name}.ranks_per_engine={width}:"
+                f" set {name}.ranks to a multiple of {width} (engines are whole).",
+                (f"{name}.ranks", f"{name}.ranks_per_engine"),
+            )
+        for index in range(role.num_engines):
+            first = starts[name] + index * width
+            _check_engine_span(name, index, first, width, per_node)
+            ranks = tuple(range(first, first + width))
+            engines.append(
+                EnginePlan(
+                    role=name,
+                    index=index,
+                    ranks=ranks,
+                    tp_size=role.engine_tp_size,
+                    pp_size=role.pp_size,
+                    phase=_inference_phase(job.placement.mode, name),
+                    nodes=tuple(sorted({r // per_node for r in ranks})),
+                )
+            )
+    return tuple(engines)
+
+
+def _check_engine_span(name: str, index: int, first: int, width: int, per_node: int) -> None:
+    last = first + width - 1
+    if width <= per_node and first // per_node != last // per_node:
+        raise ConfigError(
+            f"{name} engine {index} (ranks {first}-{last}) would cross a node boundary "
+            f"({per_node} ranks per node): change the ranks of the roles placed before it, or "
+            f"{name}.ranks_per_engine, so each engine fits inside one node.",
+            (f"{name}.ranks_per_engine",),
+        )
+    if width > per_node and (width % per_node or first % per_node):
+        raise ConfigError(
+            f"{name} engine {index} spans {width} ranks from rank {first}, but an engine wider "
+            f"than a node ({per_node} ranks) must use whole nodes: make "
+            f"{name}.ranks_per_engine a multiple of {per_node} and start it on a node boundary.",
+            (f"{name}.ranks_per_engine",),
+        )
+
+
+def _check_batch(job: JobConfig, trainer: TrainerLayout) -> None:
+    samples = job.data.prompts_per_step * job.algorithm.n_samples_per_prompt
+    per_step = trainer.dp_size * job.trainer.micro_batch_size
+    if samples % per_step:
+        raise ConfigError(
+            f"a step's {samples} samples (data.prompts_per_step x algorithm.n_samples_per_prompt)"
+            f" do not split into micro-batches over {trainer.dp_size} data-parallel trainer "
+            f"ranks x trainer.micro_batch_size={job.trainer.micro_batch_size}: make the sample "
+            f"count a multiple of {per_step}.",
+            ("data.prompts_per_step", "algorithm.n_samples_per_prompt", "trainer.micro_batch_size"),
+        )
+
+
+def _inference_phase(mode: str, role: str) -> str:
+    return {"decoupled": "resident", "split": "inference"}.get(mode, role)
+
+
+def _phase_order(job: JobConfig) -> tuple[str, ...]:
+    mode = job.placement.mode
+    if mode == "decoupled":
+        return ("resident",)
+    if mode == "split":
+        return ("inference", "train")
+    roles = job.inference_roles()
+    return (*(r for r in DEFER_PHASE_ORDER if r in roles), "train")
+
+
+def _rank_plans(
+    world: int, per_node: int, trainer: TrainerLayout, engines: tuple[EnginePlan, ...]
+) -> tuple[RankPlan, ...]:
+    assignments: list[list[RoleAssignment]] = [[] for _ in range(world)]
+    for rank in trainer.ranks:
+        tp, dp, pp = trainer.coordinates(rank)
+        assignments[rank].append(
+            RoleAssignment(role="trainer", phase=trainer.phase, tp_rank=tp, pp_rank=pp, dp_rank=dp)
+        )
+    for engine in engines:
+        for engine_rank, rank in enumerate(engine.ranks):
+            assignments[rank].append(
+                RoleAssignment(
+                    role=engine.role,
+                    phase=engine.phase,
+                    engine_index=engine.index,
+                    engine_rank=engine_rank,
+                    is_head=engine_rank == 0,
+                )
+            )
+    return tuple(
+        RankPlan(rank=r, node=r // per_node, local_rank=r % per_node, assignments=tuple(a))
+        for r, a in enumerate(assignments)
+    )
+
+
+def _weight_sync_groups(
+    trainer: TrainerLayout, engines: tuple[EnginePlan, ...]
+) -> tuple[WeightSyncGroup, ...]:
+    rollout = [e for e in engines if e.role == "rollout"]
+    offsets, next_offset = [], 1
+    for engine in rollout:
+        offsets.append((engine.index, next_offset))
+        next_offset += len(engine.ranks)
+    return tuple(
+        WeightSyncGroup(
+            pp_rank=pp,
+            source_rank=trainer.pp_stage_source(pp),
+            engine_rank_offsets=tuple(offsets),
+            world_size=next_offset,
+        )
+        for pp in range(trainer.pp_size)
+    )

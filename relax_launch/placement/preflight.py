@@ -1,0 +1,155 @@
+"""Preflight: checks that need the models' own configs or the filesystem, before any process.
+
+``plan()`` proves the layout is possible; ``preflight()`` proves the models fit that layout
+(heads divisible by TP, layers by PP, rollout shaped like the trainer, teacher sharing the
+student's vocabulary) and that named files exist.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from relax_launch.config.errors import ConfigError
+from relax_launch.models.registry import (
+    BUILTIN_MODELS,
+    ModelFacts,
+    builtin_name,
+    model_facts,
+)
+from relax_launch.placement.plan import PlacementPlan
+
+if TYPE_CHECKING:
+    from relax_launch.config.job import JobConfig
+
+
+def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = True) -> list[str]:
+    """Check models and files against ``plan``; returns warnings for checks it could not run.
+
+    With ``require_models`` (the launcher), a model without a readable config.json or a missing
+    dataset file is an error; without it (``relax-launch plan`` away from the cluster's
+    filesystem) it is a warning.
+    """
+    warnings = []
+    models = {"trainer": job.trainer.model, "rollout": job.rollout_model()}
+    models.update({n: r.model for n, r in job.inference_roles().items() if n != "rollout"})
+    facts: dict[str, ModelFacts] = {}
+    for role, ref in models.items():
+        found = _facts_or_problem(role, ref, require_models)
+        if isinstance(found, str):
+            warnings.append(found)
+        else:
+            facts[role] = found
+    _check_trainer_fits(job, facts.get("trainer"))
+    for engine_role in job.inference_roles():
+        _check_engine_fits(job, plan, engine_role, facts.get(engine_role))
+    _check_shared_shapes(facts)
+    dataset_problem = _dataset_problem(job.data.dataset)
+    if dataset_problem and require_models:
+        raise ConfigError(dataset_problem, ("data.dataset",))
+    return warnings + ([dataset_problem] if dataset_problem else [])
+
+
+def _facts_or_problem(role: str, ref: str, require: bool) -> ModelFacts | str:
+    field = "trainer.model" if role == "trainer" else f"{role}.model"
+    name = builtin_name(ref)
+    if name is not None and name not in BUILTIN_MODELS:
+        raise ConfigError(
+            f"{field}={ref!r} is not a builtin model; choose one of "
+            + ", ".join(f"builtin:{m}" for m in BUILTIN_MODELS)
+            + " or give a model directory.",
+            (field,),
+        )
+    facts = model_facts(ref)
+    if facts is None:
+        message = (
+            f"{field}={ref!r} has no readable config.json, so its shape checks were skipped; "
+            "point it at a Hugging Face model directory."
+        )
+        if require:
+            raise ConfigError(message, (field,))
+        return message
+    if not facts.has_architectures:
+        raise ConfigError(
+            f"{field}={ref!r}: config.json has no 'architectures' entry, which SGLang needs to "
+            'pick the model class: add e.g. "architectures": ["LlamaForCausalLM"].',
+            (field,),
+        )
+    return facts
+
+
+def _check_trainer_fits(job: JobConfig, facts: ModelFacts | None) -> None:
+    if facts is None:
+        return
+    tp, pp = job.trainer.tp_size, job.trainer.pp_size
+    if facts.num_attention_heads % tp or facts.num_key_value_heads % tp:
+        raise ConfigError(
+            f"trainer.tp_size={tp} must divide the model's {facts.num_attention_heads} attention "
+            f"heads and {facts.num_key_value_heads} key/value heads: choose a tp_size dividing "
+            f"both (e.g. {_largest_common_divisor(facts, tp)}).",
+            ("trainer.tp_size",),
+        )
+    if facts.num_layers % pp:
+        raise ConfigError(
+            f"trainer.pp_size={pp} must divide the model's {facts.num_layers} layers: choose a "
+            "pp_size dividing the layer count.",
+            ("trainer.pp_size",),
+        )
+
+
+def _check_engine_fits(
+    job: JobConfig, plan: PlacementPlan, role: str, facts: ModelFacts | None
+) -> None:
+    engines = plan.engines_of(role)
+    if facts is None or not engines:
+        return
+    tp, pp = engines[0].tp_size, engines[0].pp_size
+    kv = facts.num_key_value_heads
+    if facts.num_attention_heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(
+            f"{role} engine tp_size={tp} must divide the model's {facts.num_attention_heads} "
+            f"attention heads, and divide or be a multiple of its {kv} key/value heads: change "
+            f"{role}.ranks_per_engine / {role}.tp_size.",
+            (f"{role}.tp_size", f"{role}.ranks_per_engine"),
+        )
+    if pp > facts.num_layers:
+        raise ConfigError(
+            f"{role}.pp_size={pp} exceeds the model's {facts.num_layers} layers: lower it.",
+            (f"{role}.pp_size",),
+        )
+
+
+def _check_shared_shapes(facts: dict[str, ModelFacts]) -> None:
+    trainer, rollout = facts.get("trainer"), facts.get("rollout")
+    if trainer and rollout and trainer != rollout:
+        raise ConfigError(
+            "rollout.model and trainer.model differ in shape (layers, hidden size, heads or "
+            "vocabulary), so trained weights cannot be synced into the rollout engines: leave "
+            "rollout.model unset to serve the trainer's model.",
+            ("rollout.model", "trainer.model"),
+        )
+    teacher = facts.get("teacher")
+    if teacher and rollout and teacher.vocab_size != rollout.vocab_size:
+        raise ConfigError(
+            f"teacher.model has a {teacher.vocab_size}-token vocabulary but the student has "
+            f"{rollout.vocab_size}; on-policy distillation scores the student's tokens with the "
+            "teacher, so both must share one tokenizer: pick a teacher of the same family.",
+            ("teacher.model",),
+        )
+
+
+def _dataset_problem(dataset: str) -> str | None:
+    if dataset.startswith("builtin:") or Path(dataset).expanduser().is_file():
+        return None
+    return (
+        f"data.dataset={dataset!r} does not exist: give an existing .jsonl file or a "
+        "builtin:NAME dataset."
+    )
+
+
+def _largest_common_divisor(facts: ModelFacts, below: int) -> int:
+    return max(
+        d
+        for d in range(1, below + 1)
+        if facts.num_attention_heads % d == 0 and facts.num_key_value_heads % d == 0
+    )

@@ -1,0 +1,144 @@
+"""Show a PlacementPlan: a text table of the rank map, and a picture (SVG or PNG) of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_launch.placement.plan import PlacementPlan, RoleAssignment
+
+ROLE_COLOURS = {
+    "trainer": "#4C72B0",
+    "rollout": "#55A868",
+    "teacher": "#C44E52",
+    "genrm": "#8172B2",
+}
+MAX_PICTURE_RANKS = 256
+_CELL_W, _CELL_H, _LABEL_W, _TOP, _GAP = 64, 40, 96, 48, 6
+
+
+def describe(assignment: RoleAssignment) -> str:
+    """One role of one rank, e.g. ``rollout[e1 head]`` or ``trainer[tp0 pp0 dp1]``."""
+    a = assignment
+    if a.role == "trainer":
+        return f"trainer[tp{a.tp_rank} pp{a.pp_rank} dp{a.dp_rank}]"
+    return f"{a.role}[e{a.engine_index} {'head' if a.is_head else f'follower{a.engine_rank}'}]"
+
+
+def table(plan: PlacementPlan) -> str:
+    """The rank map as aligned text, followed by engines, phases and weight-sync groups."""
+    rows = [("rank", "node", "local", "roles", "phase")]
+    for r in plan.ranks:
+        roles = ", ".join(describe(a) for a in r.assignments) or "(idle)"
+        phases = ", ".join(dict.fromkeys(a.phase for a in r.assignments)) or "-"
+        rows.append((str(r.rank), str(r.node), str(r.local_rank), roles, phases))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    t = plan.trainer
+    lines += [
+        "",
+        f"mode: {plan.mode}   world: {plan.nnodes} node(s) x {plan.nproc_per_node} = "
+        f"{plan.world_size} ranks   plan hash: {plan.stable_hash()}",
+        f"trainer: ranks {t.ranks[0]}-{t.ranks[-1]}  tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}",
+    ]
+    for e in plan.engines:
+        lines.append(
+            f"{e.role} engine {e.index}: ranks {e.ranks[0]}-{e.ranks[-1]} (head {e.head_rank}) "
+            f"tp={e.tp_size} pp={e.pp_size} node(s) {','.join(map(str, e.nodes))}"
+        )
+    lines.append("phase order: " + " -> ".join(plan.phase_order))
+    for g in plan.weight_sync_groups:
+        lines.append(
+            f"weight sync pp{g.pp_rank}: source rank {g.source_rank} -> "
+            f"{g.world_size - 1} rollout worker(s) in {len(g.engine_rank_offsets)} engine(s)"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Box:
+    x: int
+    y: int
+    w: int
+    h: int
+    fill: str
+    text: str
+    text_fill: str = "#ffffff"
+
+
+def _boxes(plan: PlacementPlan) -> tuple[int, int, list[_Box]]:
+    """Geometry shared by the SVG and PNG writers: one row per phase, one column per rank."""
+    if plan.world_size > MAX_PICTURE_RANKS:
+        raise ValueError(
+            f"a picture draws at most {MAX_PICTURE_RANKS} ranks; this plan has "
+            f"{plan.world_size}: use the table or --json instead"
+        )
+    boxes = []
+    for col, rank in enumerate(plan.ranks):
+        x = _LABEL_W + col * _CELL_W + rank.node * _GAP
+        boxes.append(
+            _Box(x, 8, _CELL_W - 4, 32, "#ffffff", f"r{rank.rank} n{rank.node}", "#000000")
+        )
+    for row, phase in enumerate(plan.phase_order):
+        y = _TOP + row * (_CELL_H + 4)
+        boxes.append(_Box(0, y, _LABEL_W - 8, _CELL_H, "#ffffff", phase, "#000000"))
+        for col, rank in enumerate(plan.ranks):
+            x = _LABEL_W + col * _CELL_W + rank.node * _GAP
+            here = [a for a in rank.assignments if a.phase == phase]
+            a = here[0] if here else None
+            fill = ROLE_COLOURS[a.role] if a else "#eeeeee"
+            label = (
+                ""
+                if a is None
+                else (a.role if a.role == "trainer" else f"{a.role} e{a.engine_index}")
+            )
+            boxes.append(_Box(x, y, _CELL_W - 4, _CELL_H, fill, label))
+    width = _LABEL_W + len(plan.ranks) * _CELL_W + plan.nnodes * _GAP
+    height = _TOP + len(plan.phase_order) * (_CELL_H + 4) + 4
+    return width, height, boxes
+
+
+def write_picture(plan: PlacementPlan, path: str | Path) -> Path:
+    """Draw ranks as boxes coloured by role, one row per phase, to ``.svg`` or ``.png``."""
+    path = Path(path)
+    width, height, boxes = _boxes(plan)
+    if path.suffix == ".svg":
+        path.write_text(_svg(width, height, boxes))
+    elif path.suffix == ".png":
+        _png(width, height, boxes, path)
+    else:
+        raise ValueError(f"picture file {path} must end in .svg or .png")
+    return path
+
+
+def _svg(width: int, height: int, boxes: list[_Box]) -> str:
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+    ]
+    for b in boxes:
+        parts.append(
+            f'<rect x="{b.x}" y="{b.y}" width="{b.w}" height="{b.h}" rx="4" fill="{b.fill}" '
+            'stroke="#333333" stroke-width="0.5"/>'
+            f'<text x="{b.x + b.w // 2}" y="{b.y + b.h // 2 + 4}" text-anchor="middle" '
+            f'fill="{b.text_fill}">{b.text}</text>'
+        )
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _png(width: int, height: int, boxes: list[_Box], path: Path) -> None:
+    from PIL import Image, ImageDraw  # only needed for PNG output
+
+    image = Image.new("RGB", (width, height), "#ffffff")
+    draw = ImageDraw.Draw(image)
+    for b in boxes:
+        draw.rounded_rectangle(
+            (b.x, b.y, b.x + b.w, b.y + b.h), radius=4, fill=b.fill, outline="#333333"
+        )
+        draw.text((b.x + b.w // 2, b.y + b.h // 2), b.text, fill=b.text_fill, anchor="mm")
+    image.save(path)

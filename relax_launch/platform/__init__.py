@@ -1,0 +1,63 @@
+"""Platform: every CPU/GPU difference, in one place. Nothing else names a device or backend.
+
+``device`` is ``cluster.device``: ``cuda`` (NCCL, GPU SGLang) or ``cpu`` (gloo, SGLang's CPU
+engine with import stand-ins, Megatron-core with its CUDA calls redirected).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+Device = Literal["cpu", "cuda"]
+STAND_INS_DIR = Path(__file__).parent / "stand_ins"
+
+
+def dist_backend(device: Device) -> str:
+    """torch.distributed backend for collectives among ranks on ``device``."""
+    return "gloo" if device == "cpu" else "nccl"
+
+
+def torch_device(device: Device, local_rank: int = 0) -> str:
+    """The torch device string of one rank."""
+    return "cpu" if device == "cpu" else f"cuda:{local_rank}"
+
+
+def sglang_env(device: Device, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for an SGLang process (server or Engine) on ``device``."""
+    env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        paths = [str(STAND_INS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def sglang_server_args(device: Device) -> list[str]:
+    """SGLang server flags that depend only on the device."""
+    if device == "cpu":
+        return [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--attention-backend",
+            "torch_native",
+            "--disable-cuda-graph",
+            "--skip-server-warmup",
+        ]
+    return []
+
+
+def prepare_megatron(device: Device) -> None:
+    """Call before building Megatron-core objects: redirects its CUDA calls on the CPU."""
+    if device == "cpu":
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+        from relax_launch.platform.cpu import redirect_megatron_to_cpu
+
+        redirect_megatron_to_cpu()
+        # No CUDA RNG states to fork: dropout draws from the CPU generator.
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

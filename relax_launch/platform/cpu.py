@@ -1,0 +1,49 @@
+"""Make Megatron-core run on the CPU: redirect its hard-coded CUDA device uses to the CPU.
+
+Megatron-core 0.16.1 names ``cuda`` in about 226 places (buffers, the RNG tracker, the
+optimizer's loss scale, the pipeline schedules). A TorchFunctionMode rewrites ``device=cuda``
+arguments and ``Tensor.cuda()`` calls; a few ``torch.cuda`` functions become no-ops. Imported
+only when ``cluster.device`` is ``cpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _to_cpu(device: Any) -> Any:
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int):
+        return "cpu"
+    return device
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU in every torch call made under it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            return args[0]
+        if name == "to" and len(args) > 1 and not isinstance(args[1], torch.dtype | torch.Tensor):
+            args = (args[0], _to_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def redirect_megatron_to_cpu() -> CudaToCpu:
+    """Enter the redirection for the rest of the process; returns the active mode."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda *args, **kwargs: None
+    mode = CudaToCpu()
+    mode.__enter__()
+    return mode

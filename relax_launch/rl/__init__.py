@@ -1,0 +1,1 @@
+"""RL: the controller loop, data, rewards and losses."""

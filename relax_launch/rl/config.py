@@ -1,0 +1,124 @@
+"""Config sections owned by the RL loop: algorithm, data and rewards."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from relax_launch.config.section import Section
+
+BUILTIN_DATASETS = ("arithmetic", "format")
+BUILTIN_REWARDS = ("exact_numeric", "format")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class AlgorithmConfig(Section):
+    """GRPO with optional KL to the initial policy and on-policy distillation."""
+
+    name: Literal["grpo"] = Field("grpo", description="Policy-optimisation algorithm.")
+    num_steps: int = Field(1, ge=1, description="RL steps to run.")
+    n_samples_per_prompt: int = Field(
+        8, ge=2, description="Samples per prompt; GRPO normalises rewards within each group."
+    )
+    temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range (lower side).")
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="PPO clip range upper side; default clip_eps."
+    )
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token",
+        description="Average the loss over all tokens, or per sequence then over sequences.",
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of KL to the initial policy.")
+    distill_coef: float = Field(
+        0.0, ge=0, description="Coefficient of reverse KL to the teacher; > 0 needs a teacher."
+    )
+    off_policy_steps: Literal[0, 1] = Field(
+        0,
+        description="0: synchronous; 1: generate step k+1 while training step k (decoupled only).",
+    )
+
+
+class DataConfig(Section):
+    """Where prompts come from and how long prompts and responses may be."""
+
+    dataset: str = Field(
+        "builtin:arithmetic",
+        description="A JSONL file (prompt or messages, optional label), or builtin:arithmetic / "
+        "builtin:format.",
+    )
+    prompts_per_step: int = Field(4, ge=1, description="Prompts drawn per RL step.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Longest prompt, in tokens.")
+    max_response_tokens: int = Field(128, ge=1, description="Longest sampled response, in tokens.")
+    shuffle: bool = Field(True, description="Shuffle prompts (deterministically from seed).")
+    seed: int = Field(0, description="Seed of prompt shuffling and built-in task generation.")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_known(cls, dataset: str) -> str:
+        if dataset.startswith("builtin:") and dataset[8:] not in BUILTIN_DATASETS:
+            raise ValueError(
+                f"unknown built-in dataset {dataset!r}; choose one of "
+                + ", ".join(f"builtin:{d}" for d in BUILTIN_DATASETS)
+                + " or give a .jsonl path"
+            )
+        if not dataset.startswith("builtin:") and not dataset.endswith(".jsonl"):
+            raise ValueError(f"{dataset!r} is neither builtin:NAME nor a .jsonl file path")
+        return dataset
+
+
+class RewardSource(Section):
+    """One reward source: a Python function or the GenRM judge."""
+
+    name: str = Field(description="Name shown in metrics (reward/NAME).")
+    function: str | None = Field(
+        None, description="builtin:NAME or package.module:function, sync or async, batched."
+    )
+    genrm: bool = Field(False, description="Score with the GenRM judge instead of a function.")
+    weight: float = Field(1.0, description="Weight of this source in the summed reward.")
+
+    @model_validator(mode="after")
+    def _exactly_one_kind(self) -> RewardSource:
+        if (self.function is None) == (not self.genrm):
+            raise ValueError(
+                f"reward source {self.name!r} needs exactly one of function: ... or genrm: true"
+            )
+        fn = self.function
+        if fn is not None and fn.startswith("builtin:"):
+            if fn[8:] not in BUILTIN_REWARDS:
+                raise ValueError(
+                    f"unknown built-in reward {fn!r}; choose one of "
+                    + ", ".join(f"builtin:{r}" for r in BUILTIN_REWARDS)
+                )
+        elif fn is not None and not _IMPORT_PATH.match(fn):
+            raise ValueError(
+                f"reward function {fn!r} must look like package.module:function or builtin:NAME"
+            )
+        return self
+
+
+class RewardConfig(Section):
+    """The reward is the weighted sum of its sources."""
+
+    sources: tuple[RewardSource, ...] = Field(
+        (RewardSource(name="answer", function="builtin:exact_numeric"),),
+        description="Reward sources, summed with their weights.",
+    )
+
+    @field_validator("sources")
+    @classmethod
+    def _sources_named_uniquely(cls, sources: tuple[RewardSource, ...]) -> tuple[RewardSource, ...]:
+        if not sources:
+            raise ValueError("needs at least one reward source")
+        names = [s.name for s in sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward source names must be unique; repeated: {', '.join(dupes)}")
+        return sources
+
+    @property
+    def uses_genrm(self) -> bool:
+        """Whether any source asks the GenRM judge."""
+        return any(s.genrm for s in self.sources)

@@ -1,0 +1,1 @@
+"""Runtime: wire one torchrun job together (process groups, roles, control channel)."""

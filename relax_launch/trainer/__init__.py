@@ -1,0 +1,1 @@
+"""Trainer: the Megatron-core policy model and its train step."""

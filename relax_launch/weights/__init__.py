@@ -1,0 +1,1 @@
+"""Weights: move trained weights from the trainer to the rollout engines."""

@@ -1,0 +1,62 @@
+"""relax-launch: RL post-training of LLMs as one torchrun job.
+
+Versions are pinned in requirements/pins.txt and applied as a constraint by
+scripts/bootstrap.sh; this file names dependencies only.
+"""
+
+from setuptools import find_packages, setup
+
+# SGLang itself is installed with --no-deps (its metadata pins a CUDA torch); these are the
+# dependencies its CPU engine, HTTP server and Llama models actually import.
+SGLANG_CPU_DEPS = [
+    "transformers",
+    "tokenizers",
+    "xgrammar",
+    "openai",
+    "compressed-tensors",
+    "sentencepiece",
+    "soundfile",
+    "apache-tvm-ffi",
+    "numpy",
+    "safetensors",
+    "fastapi",
+    "uvicorn",
+    "uvloop",
+    "pyzmq",
+    "orjson",
+    "msgspec",
+    "psutil",
+    "requests",
+    "setproctitle",
+    "python-multipart",
+    "prometheus-client",
+    "xxhash",
+    "pybase64",
+    "partial_json_parser",
+    "einops",
+    "aiohttp",
+    "pillow",
+    "triton",
+    "IPython",
+    "dill",
+    "zstandard",
+    "gguf",
+    "jsonschema",
+]
+RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httpx", "accelerate"]
+
+setup(
+    name="relax-launch",
+    version="0.1.0",
+    description="RL post-training of LLMs (GRPO, distillation, GenRM) as one torchrun job",
+    packages=find_packages(include=["relax_launch", "relax_launch.*"]),
+    package_data={"relax_launch.platform": ["stand_ins/*/*.py"]},
+    python_requires=">=3.11",
+    install_requires=["click", "pydantic", "pyyaml", "pillow"],
+    extras_require={
+        "cpu": RUNTIME_DEPS + SGLANG_CPU_DEPS,
+        "gpu": RUNTIME_DEPS + ["sglang"],
+        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff"],
+    },
+    entry_points={"console_scripts": ["relax-launch=relax_launch.cli:main"]},
+)
