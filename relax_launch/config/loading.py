@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import runpy
+import sys
 import types
 import typing
 from pathlib import Path
@@ -136,7 +137,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _read_python(path: Path) -> dict[str, Any]:
-    namespace = runpy.run_path(str(path))
+    """Run a Python config (its folder importable, for shared helpers) and take ``config``."""
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        namespace = runpy.run_path(str(path))
+    except ValidationError as exc:
+        raise config_error_from(exc, str(path)) from None
+    except Exception as exc:  # noqa: BLE001 - user code: report it as a config error, no traceback
+        raise ConfigError(f"{path} failed to run: {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.path.remove(str(path.resolve().parent))
     config = namespace.get("config")
     if not isinstance(config, JobConfig):
         raise ConfigError(f"{path} must define `config = JobConfig(...)` at module level.")

@@ -110,11 +110,6 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
 def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
     cfg = job.trainer
     num = cfg.ranks if job.placement.mode == "decoupled" else world
-    if num > world:
-        raise ConfigError(
-            f"trainer.ranks={num} exceeds the {world} ranks of the cluster: lower it or add ranks.",
-            ("trainer.ranks",),
-        )
     if num % (cfg.tp_size * cfg.pp_size):
         raise ConfigError(
             f"trainer tp_size x pp_size = {cfg.tp_size} x {cfg.pp_size} does not divide the "

@@ -14,7 +14,7 @@ ROLE_COLOURS = {
     "genrm": "#8172B2",
 }
 MAX_PICTURE_RANKS = 256
-_CELL_W, _CELL_H, _LABEL_W, _TOP, _GAP = 64, 40, 96, 48, 6
+_CELL_W, _CELL_H, _LABEL_W, _TOP, _GAP = 76, 40, 96, 48, 6
 
 
 def describe(assignment: RoleAssignment) -> str:
@@ -132,13 +132,16 @@ def _svg(width: int, height: int, boxes: list[_Box]) -> str:
 
 
 def _png(width: int, height: int, boxes: list[_Box], path: Path) -> None:
-    from PIL import Image, ImageDraw  # only needed for PNG output
+    from PIL import Image, ImageDraw, ImageFont  # only needed for PNG output
 
     image = Image.new("RGB", (width, height), "#ffffff")
     draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=12)
     for b in boxes:
         draw.rounded_rectangle(
             (b.x, b.y, b.x + b.w, b.y + b.h), radius=4, fill=b.fill, outline="#333333"
         )
-        draw.text((b.x + b.w // 2, b.y + b.h // 2), b.text, fill=b.text_fill, anchor="mm")
+        draw.text(
+            (b.x + b.w // 2, b.y + b.h // 2), b.text, fill=b.text_fill, anchor="mm", font=font
+        )
     image.save(path)

@@ -1,0 +1,198 @@
+"""plan() places every role exactly as DESIGN section 2 says, deterministically."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax_launch.config import build_config
+from relax_launch.placement import PlacementPlan, plan
+
+
+def job(mode: str, world: tuple[int, int], roles: dict, prompts: int = 8, **extra) -> object:
+    raw = {
+        "cluster": {"nnodes": world[0], "nproc_per_node": world[1]},
+        "placement": {"mode": mode},
+        "trainer": {
+            "model": "/m/policy",
+            "offload": mode != "decoupled",
+            **extra.get("trainer", {}),
+        },
+        "algorithm": {"n_samples_per_prompt": 8, "distill_coef": 0.1 if "teacher" in roles else 0},
+        "data": {"prompts_per_step": prompts},
+    }
+    for name, role in roles.items():
+        raw[name] = {"offload": mode != "decoupled", **role}
+        if name != "rollout":
+            raw[name]["model"] = "/m/" + name
+    if "genrm" in roles:
+        raw["reward"] = {"sources": [{"name": "judge", "genrm": True}]}
+    return build_config(raw)
+
+
+def roles_by_rank(p: PlacementPlan) -> list[list[str]]:
+    return [[f"{a.role}:{a.phase}" for a in r.assignments] for r in p.ranks]
+
+
+def test_decoupled_roles_take_contiguous_ranges_in_order():
+    j = job(
+        "decoupled",
+        (2, 8),
+        {
+            "rollout": {"ranks": 4, "ranks_per_engine": 2},
+            "genrm": {"ranks": 2, "ranks_per_engine": 2},
+            "teacher": {"ranks": 2, "ranks_per_engine": 2},
+        },
+        trainer={"ranks": 8, "tp_size": 4},
+    )
+    p = plan(j)
+    assert [e.ranks for e in p.engines] == [(8, 9), (10, 11), (12, 13), (14, 15)]
+    assert [(e.role, e.index) for e in p.engines] == [
+        ("rollout", 0),
+        ("rollout", 1),
+        ("genrm", 0),
+        ("teacher", 0),
+    ]
+    assert p.trainer.ranks == tuple(range(8)) and p.trainer.dp_size == 2
+    assert p.phase_order == ("resident",)
+    assert all(len(r.assignments) == 1 for r in p.ranks)
+    assert p.ranks[9].assignments[0].is_head is False and p.ranks[8].assignments[0].is_head
+
+
+def test_split_slices_are_consecutive_and_share_one_inference_phase():
+    # The layout of Relax's split test: actor 8, rollout 4, genrm 2, teacher 2.
+    j = job(
+        "split",
+        (1, 8),
+        {"rollout": {"ranks": 4}, "genrm": {"ranks": 2}, "teacher": {"ranks": 2}},
+    )
+    p = plan(j)
+    starts = {e.role: e.ranks[0] for e in reversed(p.engines)}
+    assert starts == {"rollout": 0, "genrm": 4, "teacher": 6}
+    assert p.phase_order == ("inference", "train")
+    assert roles_by_rank(p)[5] == ["trainer:train", "genrm:inference"]
+    assert p.trainer.ranks == tuple(range(8))
+
+
+def test_defer_roles_each_start_at_zero_in_their_own_phase():
+    j = job(
+        "defer",
+        (1, 8),
+        {
+            "rollout": {"ranks": 8, "ranks_per_engine": 2},
+            "teacher": {"ranks": 8, "ranks_per_engine": 4},
+            "genrm": {"ranks": 4, "ranks_per_engine": 4},
+        },
+    )
+    p = plan(j)
+    assert p.phase_order == ("rollout", "teacher", "genrm", "train")
+    assert {e.role: e.ranks[0] for e in p.engines if e.index == 0} == {
+        "rollout": 0,
+        "teacher": 0,
+        "genrm": 0,
+    }
+    assert roles_by_rank(p)[0] == [
+        "trainer:train",
+        "rollout:rollout",
+        "genrm:genrm",
+        "teacher:teacher",
+    ]
+    assert roles_by_rank(p)[7] == ["trainer:train", "rollout:rollout", "teacher:teacher"]
+    # No rank holds two roles in one phase.
+    for r in p.ranks:
+        phases = [a.phase for a in r.assignments]
+        assert len(phases) == len(set(phases))
+
+
+def test_defer_phase_order_lists_only_configured_roles():
+    p = plan(job("defer", (1, 4), {"rollout": {"ranks": 4}}))
+    assert p.phase_order == ("rollout", "train")
+
+
+def test_multinode_engine_uses_whole_nodes_and_one_head():
+    j = job(
+        "decoupled",
+        (4, 8),
+        {
+            "rollout": {"ranks": 8, "ranks_per_engine": 2},
+            "teacher": {"ranks": 16, "ranks_per_engine": 16, "tp_size": 8, "pp_size": 2},
+        },
+        trainer={"ranks": 8, "tp_size": 4},
+    )
+    p = plan(j)
+    (teacher,) = p.engines_of("teacher")
+    assert teacher.nodes == (2, 3) and teacher.head_rank == 16 and teacher.tp_size == 8
+    heads = [r.rank for r in p.ranks for a in r.assignments if a.role == "teacher" and a.is_head]
+    assert heads == [16]
+    assert p.ranks[31].assignments[0].engine_rank == 15 and p.ranks[31].node == 3
+
+
+def test_trainer_coordinates_are_tp_fastest_then_dp_then_pp():
+    j = build_config(
+        {
+            "cluster": {"nnodes": 3, "nproc_per_node": 4},
+            "trainer": {"model": "/m", "ranks": 8, "tp_size": 2, "pp_size": 2},
+            "rollout": {"ranks": 4, "ranks_per_engine": 2},
+            "algorithm": {"n_samples_per_prompt": 2},
+            "data": {"prompts_per_step": 1},
+        }
+    )
+    p = plan(j)
+    coords = [(a.tp_rank, a.dp_rank, a.pp_rank) for r in p.ranks[:8] for a in r.assignments]
+    assert coords == [
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 1, 0),
+        (1, 1, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 1, 1),
+    ]
+    # One weight-sync group per pipeline stage, sourced from that stage's tp0/dp0 rank, with
+    # SGLang rank offsets per rollout engine after the source (rank 0 of the group).
+    groups = p.weight_sync_groups
+    assert [(g.pp_rank, g.source_rank) for g in groups] == [(0, 0), (1, 4)]
+    assert groups[0].engine_rank_offsets == ((0, 1), (1, 3)) and groups[0].world_size == 5
+
+
+def test_plan_round_trips_through_json_and_hashes_stably():
+    j = job(
+        "split", (1, 8), {"rollout": {"ranks": 4}, "genrm": {"ranks": 2}, "teacher": {"ranks": 2}}
+    )
+    p = plan(j)
+    again = PlacementPlan.from_json(p.to_json())
+    assert again == p and again.stable_hash() == p.stable_hash() == plan(j).stable_hash()
+    assert len(p.stable_hash()) == 16
+
+
+def test_hash_changes_with_layout_and_with_config():
+    base = job("decoupled", (1, 8), {"rollout": {"ranks": 4}}, trainer={"ranks": 4})
+    other_layout = job("decoupled", (1, 8), {"rollout": {"ranks": 6}}, trainer={"ranks": 2})
+    other_lr = job("decoupled", (1, 8), {"rollout": {"ranks": 4}}, trainer={"ranks": 4, "lr": 1e-5})
+    hashes = {plan(j).stable_hash() for j in (base, other_layout, other_lr)}
+    assert len(hashes) == 3
+
+
+def test_cli_world_overrides_the_config_cluster():
+    j = job("split", (1, 8), {"rollout": {"ranks": 4}})
+    p = plan(j, nnodes=2, nproc_per_node=4)
+    assert (p.nnodes, p.nproc_per_node, p.world_size) == (2, 4, 8)
+    assert p.ranks[5].node == 1 and p.ranks[5].local_rank == 1
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "split", "defer"])
+def test_plans_512_nodes_of_8_with_four_roles(mode):
+    roles = {
+        "rollout": {"ranks": 1024, "ranks_per_engine": 8},
+        "genrm": {"ranks": 512, "ranks_per_engine": 8},
+        "teacher": {"ranks": 1024, "ranks_per_engine": 16},
+    }
+    trainer = (
+        {"ranks": 4096 - 2560, "tp_size": 8, "pp_size": 3}
+        if mode == "decoupled"
+        else {"tp_size": 8}
+    )
+    p = plan(job(mode, (512, 8), roles, prompts=512, trainer=trainer))
+    assert p.world_size == 4096 and len(p.ranks) == 4096
+    assert len(p.engines) == 128 + 64 + 64
+    assert sum(len(e.ranks) for e in p.engines) == 2560

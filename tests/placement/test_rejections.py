@@ -1,0 +1,296 @@
+"""Every rejection in DESIGN section 2 (and more) is a ConfigError naming the field and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relax_launch.config import ConfigError, build_config
+from relax_launch.placement import plan, preflight
+
+# A valid 4-rank decoupled job on the CPU: trainer 0-1, rollout 2-3.
+BASE = {
+    "cluster": {"nnodes": 1, "nproc_per_node": 4, "device": "cpu"},
+    "trainer": {"model": "builtin:tiny-llama", "ranks": 2},
+    "rollout": {"ranks": 2, "engine": {"max_total_tokens": 2048}},
+    "algorithm": {"n_samples_per_prompt": 4},
+    "data": {"prompts_per_step": 2},
+}
+TEACHER = ["teacher.model=builtin:tiny-llama", "teacher.engine.max_total_tokens=2048"]
+GENRM = ["genrm.model=builtin:tiny-llama", "genrm.engine.max_total_tokens=2048"]
+JUDGE = [
+    "reward.sources=[{name: answer, function: 'builtin:exact_numeric'}, {name: j, genrm: true}]"
+]
+EIGHT = ["cluster.nnodes=2"]
+SPLIT = [
+    "placement.mode=split",
+    "trainer.ranks=null",
+    "trainer.offload=true",
+    "rollout.offload=true",
+]
+
+
+def check(overrides, raw=None, world_size=None):
+    """Load, plan and preflight (models required) like the launcher does."""
+    job = build_config(BASE if raw is None else raw, overrides)
+    placement = plan(job, world_size=world_size)
+    return preflight(job, placement, require_models=True)
+
+
+def test_base_config_is_valid():
+    assert check([]) == []
+
+
+CASES = {
+    "unknown field suggests the name": (
+        ["rollout.ranks_per_engne=1"],
+        ["rollout.ranks_per_engne", "did you mean 'ranks_per_engine'"],
+    ),
+    "unknown section": (["telemetry.on=true"], ["telemetry", "unknown field"]),
+    "zero-rank role": (["rollout.ranks=0"], ["rollout.ranks", "at least 1"]),
+    "teacher without a model": (
+        ["teacher.ranks=1", "algorithm.distill_coef=0.1", "rollout.ranks=1"],
+        ["teacher.model", "required"],
+    ),
+    "genrm without a model": (
+        ["genrm.ranks=1", "rollout.ranks=1", *JUDGE],
+        ["genrm.model", "required"],
+    ),
+    "rank budget too large": (
+        ["rollout.ranks=3"],
+        ["trainer.ranks=2 + rollout.ranks=3 = 5", "1 rank more"],
+    ),
+    "rank budget leaves ranks idle": (["rollout.ranks=1"], ["leaves 1 rank idle"]),
+    "engine TP x PP differs from its width": (
+        ["rollout.ranks_per_engine=2", "rollout.tp_size=1"],
+        ["rollout", "must equal ranks_per_engine=2"],
+    ),
+    "engine PP does not divide its width": (["rollout.pp_size=2"], ["pp_size=2 does not divide"]),
+    "ranks not divisible by ranks_per_engine": (
+        ["trainer.ranks=1", "rollout.ranks=3", "rollout.ranks_per_engine=2"],
+        ["rollout.ranks=3 is not a multiple of rollout.ranks_per_engine=2"],
+    ),
+    "engine crosses a node": (
+        [
+            *EIGHT,
+            "trainer.ranks=3",
+            "rollout.ranks=4",
+            "rollout.ranks_per_engine=2",
+            *TEACHER,
+            "teacher.ranks=1",
+            "algorithm.distill_coef=0.1",
+            "data.prompts_per_step=3",
+        ],
+        ["rollout engine 0 (ranks 3-4) would cross a node boundary"],
+    ),
+    "multi-node engine not whole nodes": (
+        [*EIGHT, "rollout.ranks=6", "rollout.ranks_per_engine=6"],
+        ["must use whole nodes"],
+    ),
+    "multi-node engine off a node boundary": (
+        [
+            "cluster.nnodes=3",
+            "rollout.ranks=8",
+            "rollout.ranks_per_engine=8",
+            *TEACHER,
+            "teacher.ranks=2",
+            "algorithm.distill_coef=0.1",
+        ],
+        ["start it on a node boundary"],
+    ),
+    "trainer TP wider than a node": (
+        [*EIGHT, "trainer.ranks=8", "trainer.tp_size=8", "cluster.nnodes=3", "rollout.ranks=4"],
+        ["trainer.tp_size=8 would make a tensor-parallel group cross a node boundary"],
+    ),
+    "trainer TP not dividing the node": (
+        ["trainer.ranks=3", "trainer.tp_size=3", "rollout.ranks=1"],
+        ["trainer.tp_size=3", "divides cluster.nproc_per_node=4"],
+    ),
+    "trainer TP x PP not dividing its ranks": (
+        ["trainer.pp_size=3"],
+        ["tp_size x pp_size = 1 x 3 does not divide the 2 trainer ranks"],
+    ),
+    "split: same-phase co-residency": (
+        [
+            *SPLIT,
+            "rollout.ranks=4",
+            *TEACHER,
+            "teacher.ranks=2",
+            "teacher.offload=true",
+            "algorithm.distill_coef=0.1",
+        ],
+        ["same-phase co-residency is unsupported", "placement.mode=defer"],
+    ),
+    "colocation without offload": (
+        ["placement.mode=split", "trainer.ranks=null"],
+        ["trainer.offload=true, rollout.offload=true"],
+    ),
+    "defer with async training": (
+        [
+            "placement.mode=defer",
+            "trainer.ranks=null",
+            "trainer.offload=true",
+            "rollout.offload=true",
+            "algorithm.off_policy_steps=1",
+        ],
+        ["algorithm.off_policy_steps=1", "placement.mode=defer cannot"],
+    ),
+    "colocated trainer.ranks set": (
+        ["placement.mode=split", "trainer.offload=true", "rollout.offload=true"],
+        ["remove trainer.ranks"],
+    ),
+    "decoupled without trainer.ranks": (["trainer.ranks=null"], ["trainer.ranks is required"]),
+    "defer role larger than the world": (
+        [
+            "placement.mode=defer",
+            "trainer.ranks=null",
+            "trainer.offload=true",
+            "rollout.offload=true",
+            "rollout.ranks=6",
+        ],
+        ["rollout.ranks=6 exceed it"],
+    ),
+    "teacher configured but unused": (
+        [*TEACHER, "teacher.ranks=1", "rollout.ranks=1"],
+        ["algorithm.distill_coef is 0"],
+    ),
+    "distillation without a teacher": (["algorithm.distill_coef=0.5"], ["needs a teacher"]),
+    "genrm reward without genrm": (JUDGE, ["no genrm section"]),
+    "genrm configured but unused": (
+        [*GENRM, "genrm.ranks=1", "rollout.ranks=1"],
+        ["genrm is configured"],
+    ),
+    "static teacher asked for weight updates": (
+        [*TEACHER, "teacher.weight_updates=true", "algorithm.distill_coef=0.1"],
+        ["teacher.weight_updates", "static model"],
+    ),
+    "static genrm asked for LoRA": (
+        [*GENRM, "genrm.lora_adapters=[/adapters/a]", *JUDGE],
+        ["genrm.lora_adapters", "LoRA"],
+    ),
+    "rollout refusing weight updates": (["rollout.weight_updates=false"], ["trainer's weights"]),
+    "planner-owned engine field": (["rollout.engine.tp_size=2"], ["set by the placement planner"]),
+    "cpu engine without max_total_tokens": (
+        ["rollout.engine={}"],
+        ["rollout.engine.max_total_tokens is required with cluster.device=cpu"],
+    ),
+    "context shorter than prompt + response": (
+        ["rollout.engine.context_length=100"],
+        ["context_length=100 is shorter", "= 384"],
+    ),
+    "batch not divisible over DP x micro-batch": (
+        ["data.prompts_per_step=1", "algorithm.n_samples_per_prompt=3"],
+        ["3 samples", "multiple of 2"],
+    ),
+    "trainer TP not dividing the model's heads": (
+        ["trainer.model=builtin:smollm2-135m-instruct", "trainer.tp_size=2"],
+        ["trainer.tp_size=2 must divide the model's 9 attention heads", "e.g. 1"],
+    ),
+    "engine TP not dividing the model's heads": (
+        ["trainer.model=builtin:smollm2-135m-instruct", "rollout.ranks_per_engine=2"],
+        ["rollout engine tp_size=2 must divide the model's 9 attention heads"],
+    ),
+    "trainer PP not dividing layers": (
+        [
+            *EIGHT,
+            "trainer.pp_size=4",
+            "trainer.ranks=4",
+            "rollout.ranks=4",
+            "trainer.model=builtin:smollm2-135m-instruct",
+        ],
+        ["trainer.pp_size=4 must divide the model's 30 layers"],
+    ),
+    "rollout model shaped unlike the trainer": (
+        ["rollout.model=builtin:smollm2-135m-instruct"],
+        ["differ in shape", "leave rollout.model unset"],
+    ),
+    "teacher with another vocabulary": (
+        [
+            "teacher.model=builtin:smollm2-135m-instruct",
+            "teacher.engine.max_total_tokens=2048",
+            "teacher.ranks=1",
+            "rollout.ranks=1",
+            "algorithm.distill_coef=0.1",
+        ],
+        ["49152-token vocabulary", "share one tokenizer"],
+    ),
+    "unknown builtin model": (
+        ["trainer.model=builtin:gpt-9"],
+        ["'builtin:gpt-9' is not a builtin model"],
+    ),
+    "model directory missing": (
+        ["trainer.model=/nonexistent/model"],
+        ["trainer.model='/nonexistent/model' has no readable config.json"],
+    ),
+    "dataset file missing": (
+        ["data.dataset=/nonexistent/prompts.jsonl"],
+        ["data.dataset", "does not exist"],
+    ),
+    "unknown builtin dataset": (["data.dataset=builtin:chess"], ["unknown built-in dataset"]),
+    "dataset neither builtin nor jsonl": (
+        ["data.dataset=prompts.csv"],
+        ["neither builtin:NAME nor a .jsonl"],
+    ),
+    "reward source with both kinds": (
+        ["reward.sources=[{name: a, function: 'm:f', genrm: true}]"],
+        ["exactly one of function"],
+    ),
+    "reward function not an import path": (
+        ["reward.sources=[{name: a, function: 'not a path'}]"],
+        ["package.module:function"],
+    ),
+    "reward names repeated": (
+        ["reward.sources=[{name: a, function: 'm:f'}, {name: a, function: 'm:g'}]"],
+        ["unique; repeated: a"],
+    ),
+    "unknown builtin reward": (
+        ["reward.sources=[{name: a, function: 'builtin:vibes'}]"],
+        ["unknown built-in reward"],
+    ),
+    "GRPO with one sample per prompt": (
+        ["algorithm.n_samples_per_prompt=1"],
+        ["n_samples_per_prompt", "2"],
+    ),
+    "bad device": (["cluster.device=tpu"], ["cluster.device", "'cpu' or 'cuda'"]),
+    "bad job name": (["name=my job"], ["name", "pattern"]),
+    "override without =": (["rollout.ranks"], ["must look like section.field=value"]),
+    "override into a value": (
+        ["trainer.model.path=x"],
+        ["trainer.model is a value, not a section"],
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides,expected", CASES.values(), ids=CASES.keys())
+def test_rejection_names_field_and_fix(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        check(overrides)
+    message = str(info.value)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    assert "Traceback" not in message
+
+
+def test_launcher_world_size_must_match_cluster():
+    with pytest.raises(ConfigError, match="the launcher started 8 ranks but .* = 1 x 4 = 4"):
+        check([], world_size=8)
+
+
+def test_model_without_architectures_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 320}
+        )
+    )
+    with pytest.raises(ConfigError, match="no 'architectures' entry"):
+        check([f"trainer.model={tmp_path}"])
+
+
+def test_rejections_are_many_and_distinct():
+    messages = set()
+    for overrides, _ in CASES.values():
+        with pytest.raises(ConfigError) as info:
+            check(overrides)
+        messages.add(str(info.value))
+    assert len(messages) >= 25
