@@ -1,0 +1,170 @@
+"""Hugging Face Llama <-> Megatron-core GPT parameter conversion, shard by shard.
+
+Megatron fuses q/k/v into ``linear_qkv`` grouped per key/value head ([q heads of group, k, v] for
+each group) and gate/up into ``linear_fc1``, and shards along the vocabulary (embeddings, output
+layer), the fused output rows (qkv, fc1) or the input columns (proj, fc2). Tensor-parallel shards
+of the grouped qkv split along whole groups, and each fc1 shard is [gate shard; up shard].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The architecture facts the conversion and the Megatron config need."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaShape:
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn_hidden_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        )
+
+
+# Megatron parameter suffix -> (HF suffix or None when fused, TP split dim or None if replicated)
+_LAYER_PARAMS = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "self_attention.linear_qkv.weight": (None, 0),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "mlp.linear_fc1.weight": (None, 0),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
+}
+_TOP_PARAMS = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
+    "decoder.final_layernorm.weight": ("model.norm.weight", None),
+    "output_layer.weight": ("lm_head.weight", 0),
+}
+
+
+def tp_split_dim(megatron_name: str) -> int | None:
+    """The dimension along which a Megatron parameter is sharded over tensor parallelism."""
+    if megatron_name in _TOP_PARAMS:
+        return _TOP_PARAMS[megatron_name][1]
+    return _LAYER_PARAMS[megatron_name.split(".", 3)[3]][1]
+
+
+def stage_layers(shape: LlamaShape, pp_rank: int, pp_size: int) -> range:
+    """Global layer indices held by pipeline stage ``pp_rank`` (layers split evenly)."""
+    per_stage = shape.num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def _fuse_qkv(shape: LlamaShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    groups, per_group, hd = (
+        shape.num_kv_heads,
+        shape.num_heads // shape.num_kv_heads,
+        shape.head_dim,
+    )
+    h = q.shape[-1]
+    fused = torch.cat(
+        [q.view(groups, per_group, hd, h), k.view(groups, 1, hd, h), v.view(groups, 1, hd, h)],
+        dim=1,
+    )
+    return fused.reshape(-1, h)
+
+
+def _unfuse_qkv(shape: LlamaShape, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    groups, per_group, hd = (
+        shape.num_kv_heads,
+        shape.num_heads // shape.num_kv_heads,
+        shape.head_dim,
+    )
+    h = qkv.shape[-1]
+    grouped = qkv.view(groups, per_group + 2, hd, h)
+    q = grouped[:, :per_group].reshape(-1, h)
+    return q, grouped[:, per_group].reshape(-1, h), grouped[:, per_group + 1].reshape(-1, h)
+
+
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor],
+    shape: LlamaShape,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> dict[str, torch.Tensor]:
+    """The Megatron state dict (local layer numbering) of one TP rank of one PP stage."""
+    out: dict[str, torch.Tensor] = {}
+
+    def shard(tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+        return tensor if dim is None else tensor.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+
+    for local, layer in enumerate(stage_layers(shape, pp_rank, pp_size)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        qkv = _fuse_qkv(
+            shape,
+            hf[src + "self_attn.q_proj.weight"],
+            hf[src + "self_attn.k_proj.weight"],
+            hf[src + "self_attn.v_proj.weight"],
+        )
+        out[dst + "self_attention.linear_qkv.weight"] = shard(qkv, 0)
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
+        for name, (hf_suffix, dim) in _LAYER_PARAMS.items():
+            if hf_suffix is not None:
+                out[dst + name] = shard(hf[src + hf_suffix], dim)
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = shard(hf["model.embed_tokens.weight"], 0)
+    if pp_rank == pp_size - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not shape.tie_embeddings:
+            out["output_layer.weight"] = shard(hf["lm_head.weight"], 0)
+    return out
+
+
+def megatron_to_hf(
+    name: str, full: torch.Tensor, shape: LlamaShape, *, tp_size: int, layer_offset: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of one TP-gathered Megatron parameter of a PP stage.
+
+    ``full`` is the concatenation of the TP shards along ``tp_split_dim(name)``.
+    """
+    if name in _TOP_PARAMS:
+        yield _TOP_PARAMS[name][0], full
+        return
+    _, _, local, suffix = name.split(".", 3)
+    prefix = f"model.layers.{int(local) + layer_offset}."
+    if suffix == "self_attention.linear_qkv.weight":
+        q, k, v = _unfuse_qkv(shape, full)
+        yield from (
+            (prefix + "self_attn.q_proj.weight", q),
+            (prefix + "self_attn.k_proj.weight", k),
+            (prefix + "self_attn.v_proj.weight", v),
+        )
+    elif suffix == "mlp.linear_fc1.weight":
+        halves = full.view(tp_size, 2, -1, full.shape[-1])
+        yield prefix + "mlp.gate_proj.weight", halves[:, 0].reshape(-1, full.shape[-1])
+        yield prefix + "mlp.up_proj.weight", halves[:, 1].reshape(-1, full.shape[-1])
+    else:
+        yield prefix + _LAYER_PARAMS[suffix][0], full
