@@ -140,6 +140,8 @@ def hf_to_megatron(
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         if not shape.tie_embeddings:
             out["output_layer.weight"] = shard(hf["lm_head.weight"], 0)
+        elif pp_size > 1:  # tied, but the last stage keeps its own copy of the embeddings
+            out["output_layer.weight"] = shard(hf["model.embed_tokens.weight"], 0)
     return out
 
 
@@ -151,7 +153,8 @@ def megatron_to_hf(
     ``full`` is the concatenation of the TP shards along ``tp_split_dim(name)``.
     """
     if name in _TOP_PARAMS:
-        yield _TOP_PARAMS[name][0], full
+        if not (name == "output_layer.weight" and shape.tie_embeddings):
+            yield _TOP_PARAMS[name][0], full
         return
     _, _, local, suffix = name.split(".", 3)
     prefix = f"model.layers.{int(local) + layer_offset}."

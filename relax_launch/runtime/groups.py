@@ -1,0 +1,73 @@
+"""Process groups of one job, created once, in the same order on every rank.
+
+Megatron's ``parallel_state.initialize_model_parallel`` sizes its groups from the whole world, so
+the trainer's TP/DP/PP groups are built with ``HyperCommGrid`` over the trainer's ranks only and
+handed to Megatron as a ``ProcessGroupCollection``. Inference ranks take part in every
+``new_group`` call (torch requires it) and get ``None`` back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from relax_launch.placement.plan import TrainerLayout
+
+
+def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
+    """The trainer's ProcessGroupCollection on trainer ranks; None elsewhere. All ranks call."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # Megatron's default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp (as the planner).
+    grid = HyperCommGrid(
+        [layout.tp_size, 1, layout.dp_size, layout.pp_size],
+        ["tp", "cp", "dp", "pp"],
+        rank_offset=layout.ranks[0],
+        backend=backend,
+    )
+    dims = {
+        "tp": "tp",
+        "cp": "cp",
+        "dp": "dp",
+        "pp": "pp",
+        "mp": ["tp", "pp"],
+        "tp_cp": ["tp", "cp"],
+        "dp_cp": ["dp", "cp"],
+        "tp_dp_cp": ["tp", "dp", "cp"],
+    }
+    groups = {name: grid.create_pg(dim) for name, dim in dims.items()}
+    trainer_group = grid.create_pg(["tp", "cp", "dp", "pp"])
+    embedding, position_embedding = _embedding_groups(grid, backend)
+    if dist.get_rank() not in layout.ranks:
+        return None
+    pgc = ProcessGroupCollection(**groups)
+    pgc.embd, pgc.pos_embd = embedding, position_embedding
+    # A dense model has no experts: point the expert groups at their dense equivalents, or
+    # Megatron's DDP would call new_group on trainer ranks alone and hang the world.
+    pgc.ep, pgc.expt_tp, pgc.expt_dp = groups["cp"], groups["tp"], groups["dp"]
+    pgc.tp_ep, pgc.tp_ep_pp, pgc.intra_expt_dp = groups["tp"], groups["mp"], groups["dp"]
+    pgc.intra_dp_cp, pgc.inter_dist_opt, pgc.intra_dist_opt, pgc.hcp = (
+        groups["dp_cp"],
+        None,
+        None,
+        None,
+    )
+    pgc.trainer = trainer_group
+    return pgc
+
+
+def _embedding_groups(grid: Any, backend: str) -> tuple[Any, Any]:
+    """Per pipeline: {first, last} stage shares tied embeddings; {first} has position embeddings."""
+    embedding = position_embedding = None
+    rank = dist.get_rank()
+    for ranks in grid.get_rank_enum("pp"):
+        ends = sorted({ranks[0], ranks[-1]})
+        group = dist.new_group(ends, backend=backend)
+        if rank in ends:
+            embedding = group
+        group = dist.new_group([ranks[0]], backend=backend)
+        if rank == ranks[0]:
+            position_embedding = group
+    return embedding, position_embedding

@@ -1,0 +1,157 @@
+"""Build the Megatron-core GPT for a Hugging Face Llama checkpoint, load it, and its optimizer.
+
+Everything takes the trainer's ProcessGroupCollection (``runtime/groups.py``): Megatron's global
+``parallel_state`` groups are never initialised, because they would span inference ranks too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from relax_launch.trainer.config import TrainerConfig
+from relax_launch.trainer.hf_conversion import LlamaShape, hf_to_megatron
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def read_shape(model_dir: Path) -> LlamaShape:
+    return LlamaShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+
+
+def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any) -> Any:
+    """A DDP-wrapped GPTModel for this rank's pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+    from megatron.core.transformer import TransformerConfig
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention scratch space; no collectives
+        parallel_state._set_global_memory_buffer()
+    dtype = DTYPES[section.dtype]
+    config = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=section.tp_size,
+        pipeline_model_parallel_size=section.pp_size,
+        # The 'native' fused loss takes pg_collection.tp; the unfused one reads global groups.
+        cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="native",
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        pre_process=is_pp_first_stage(pgc.pp),
+        post_process=is_pp_last_stage(pgc.pp),
+        pg_collection=pgc,
+    )
+    ddp = DistributedDataParallel(
+        config=config,
+        module=model,
+        pg_collection=pgc,
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
+    config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce, tied embeddings
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def load_hf_checkpoint(model: Any, model_dir: Path, shape: LlamaShape, pgc: Any) -> None:
+    """Load this rank's shard of the HF safetensors in ``model_dir`` into the GPT module."""
+    from safetensors.torch import load_file
+
+    hf: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        hf.update(load_file(str(path)))
+    shard = hf_to_megatron(
+        hf,
+        shape,
+        tp_rank=pgc.tp.rank(),
+        tp_size=pgc.tp.size(),
+        pp_rank=pgc.pp.rank(),
+        pp_size=pgc.pp.size(),
+    )
+    params = dict(model.module.named_parameters())
+    missing = sorted(set(params) - set(shard))
+    unexpected = sorted(set(shard) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"{model_dir}: checkpoint does not fit the model (missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]})"
+        )
+    with torch.no_grad():
+        for name, tensor in shard.items():
+            params[name].copy_(tensor.to(params[name].dtype))
+
+
+@contextlib.contextmanager
+def _world_is(group: Any) -> Iterator[None]:
+    """Make group=None mean the trainer group while Megatron's optimizer factory runs.
+
+    ``get_megatron_optimizer`` sizes and gathers its parameter groups over the default world,
+    which would wait on inference ranks forever.
+    """
+    world_size, gather = dist.get_world_size, dist.all_gather_object
+    dist.get_world_size = lambda group_=None: world_size(group if group_ is None else group_)
+    dist.all_gather_object = lambda out, obj, group_=None: gather(
+        out, obj, group=group if group_ is None else group_
+    )
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = world_size, gather
+
+
+def build_optimizer(model: Any, section: TrainerConfig, pgc: Any, clip_grad: float) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    bf16 = section.dtype == "bfloat16"
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=section.lr,
+        weight_decay=section.weight_decay,
+        bf16=bf16,
+        fp16=False,
+        use_distributed_optimizer=False,
+        clip_grad=clip_grad,
+    )
+    with _world_is(pgc.trainer):
+        return get_megatron_optimizer(
+            config, [model], use_gloo_process_groups=False, pg_collection=pgc
+        )

@@ -1,0 +1,149 @@
+"""Trainer: one rank's share of the Megatron-core policy — train steps, logprobs, HF weights.
+
+Every trainer rank runs the same calls in lockstep (the controller sends them to all trainer
+ranks). The batch is split over data-parallel ranks, then into micro-batches; results live on
+the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_launch import platform
+from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.config import TrainerConfig
+from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
+from relax_launch.trainer.model import build_gpt, build_optimizer, load_hf_checkpoint, read_shape
+
+
+class Trainer:
+    """The policy on this rank: build from an HF checkpoint, then step, score and export."""
+
+    def __init__(
+        self, *, section: TrainerConfig, model_dir: Path, pgc: Any, device: platform.Device
+    ) -> None:
+        self.section, self.pgc = section, pgc
+        self.shape = read_shape(model_dir)
+        torch.manual_seed(section.seed)
+        self.model = build_gpt(self.shape, section, pgc)
+        load_hf_checkpoint(self.model, model_dir, self.shape, pgc)
+        self.optimizer = build_optimizer(
+            self.model, section, pgc, platform.megatron_clip_grad(device, section.clip_grad)
+        )
+        self.step = 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pgc.pp.rank() == self.pgc.pp.size() - 1
+
+    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One optimizer step on -sum(weight * mask * logprob) / sum(mask) per micro-batch.
+
+        Returns the grad norm, and on the last pipeline stage the mean micro-batch loss.
+        """
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(batch, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise RuntimeError(f"trainer step {self.step}: optimizer skipped the update")
+        self.step += 1
+        metrics = {"grad_norm": float(grad_norm or 0.0)}
+        if self.is_last_stage:  # the loss exists only where the logits are
+            metrics["loss"] = sum(float(o["loss"]) for o in outputs) / len(outputs)
+        return metrics
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch) -> list[list[float]] | None:
+        """Per-token logprobs of ``tokens[1:]`` for the whole batch (last stage; else None)."""
+        outputs = self._run(batch, forward_only=True)
+        if not self.is_last_stage:
+            return None
+        mine = [row for o in outputs for row in o["logprobs"]]
+        gathered: list[Any] = [None] * self.pgc.dp.size()
+        dist.all_gather_object(gathered, mine, group=self.pgc.dp)
+        rows = [row for part in gathered for row in part]
+        return [row[: len(t) - 1] for row, t in zip(rows, batch.tokens, strict=True)]
+
+    def _run(self, batch: TokenBatch, forward_only: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        dp_size, dp_rank, micro = (
+            self.pgc.dp.size(),
+            self.pgc.dp.rank(),
+            self.section.micro_batch_size,
+        )
+        if len(batch) % (dp_size * micro):
+            raise ValueError(
+                f"batch of {len(batch)} sequences does not split over {dp_size} data-parallel "
+                f"ranks x micro_batch_size={micro}"
+            )
+        per_rank = len(batch) // dp_size
+        mine = batch.select(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        tensors = mine.tensors()
+        seq = tensors["inputs"].shape[1]
+        micro_batches = [
+            {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, per_rank, micro)
+        ]
+        extra = {}
+        if self.pgc.pp.size() > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            extra["p2p_communicator"] = P2PCommunicator(
+                pp_group=self.pgc.pp, config=self.model.config
+            )
+        return get_forward_backward_func(pp_size=self.pgc.pp.size(), vp_size=None)(
+            forward_step_func=_forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=micro,
+            forward_only=forward_only,
+            pg_collection=self.pgc,
+            **extra,
+        )
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's weights under HF names, TP-gathered; yields on the stage's tp0/dp0 rank.
+
+        Every rank of data-parallel replica 0 must iterate it to the end (TP gathers); other
+        replicas yield nothing.
+        """
+        if self.pgc.dp.rank() != 0:
+            return
+        tp = self.pgc.tp
+        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
+        for name, param in self.model.module.named_parameters():
+            dim = tp_split_dim(name)
+            full = param.detach()
+            if dim is not None and tp.size() > 1:
+                parts = [torch.empty_like(full) for _ in range(tp.size())]
+                dist.all_gather(parts, full.contiguous(), group=tp)
+                full = torch.cat(parts, dim=dim)
+            if tp.rank() == 0:
+                yield from megatron_to_hf(
+                    name, full, self.shape, tp_size=tp.size(), layer_offset=offset
+                )
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[Any, Any]:
+    batch = next(data_iterator)
+    seq = batch["inputs"].shape[1]
+    positions = torch.arange(seq).unsqueeze(0).expand_as(batch["inputs"])
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
+    token_loss = model(batch["inputs"], positions, causal, labels=batch["targets"])  # -logprob
+
+    def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        logprobs = -output.float()
+        mask = batch["mask"]
+        loss = -(batch["weights"] * mask * logprobs).sum() / mask.sum().clamp(min=1.0)
+        # clone: the schedule divides the returned loss in place by the micro-batch count
+        return loss, {"loss": loss.detach().clone(), "logprobs": logprobs.detach().tolist()}
+
+    return token_loss, loss_fn
