@@ -162,6 +162,29 @@ class SGLangServer:
         self.process.wait(timeout=5)
 
 
+# Set by torchrun for its workers; SGLang reads some of them (e.g. LOCAL_RANK picks a NUMA node)
+# and its own process group must not rendezvous on the job's store.
+_TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _without_torchrun_env(env: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    return {
+        k: v for k, v in env.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
+    }
+
+
 def _group_alive(pgid: int | None) -> bool:
     """Whether any process of group ``pgid`` still runs (zombies of our own child aside)."""
     if pgid is None:

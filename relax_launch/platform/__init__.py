@@ -66,3 +66,11 @@ def prepare_megatron(device: Device) -> None:
 def megatron_clip_grad(device: Device, clip_grad: float) -> float:
     """Gradient clipping Megatron can apply: its clip asserts CUDA tensors, so none on the CPU."""
     return clip_grad if device == "cuda" else 0.0
+
+
+def engine_base_device(device: Device, local_rank: int) -> int:
+    """SGLang's base_gpu_id for an engine whose head has ``local_rank``.
+
+    On the CPU SGLang reads it as a NUMA node index, and this machine kind has one node.
+    """
+    return local_rank if device == "cuda" else 0

@@ -1,0 +1,110 @@
+"""run_rank: the lifecycle of one rank of a relax-launch torchrun job.
+
+init torch.distributed -> agree on the plan -> build every process group -> build this rank's
+role workers (trainer, engine heads) -> rank 0 runs the controller program, the others serve its
+commands -> stop every worker -> leave the process group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from relax_launch import platform
+from relax_launch.config.job import JobConfig
+from relax_launch.models.build import ensure_model
+from relax_launch.placement.plan import PlacementPlan
+from relax_launch.placement.render import describe
+from relax_launch.runtime.control import ControlChannel
+from relax_launch.runtime.distributed import check_same_plan, init_distributed
+from relax_launch.runtime.groups import build_trainer_groups
+from relax_launch.runtime.session import Session
+from relax_launch.runtime.workers import EngineWorker, TrainerWorker, node_address
+
+Program = Callable[[Session], Any]
+
+
+def role_labels(plan: PlacementPlan) -> dict[int, str]:
+    return {r.rank: ", ".join(describe(a) for a in r.assignments) or "idle" for r in plan.ranks}
+
+
+def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> list[Any]:
+    """This rank's trainer share and engine heads; engine servers are started here."""
+    workers: list[Any] = []
+    device = job.cluster.device
+    roles = job.inference_roles()
+    log_dir = Path(job.logging.dir.format(name=job.name))
+    try:
+        for a in plan.ranks[rank].assignments:
+            if a.role == "trainer":
+                workers.append(
+                    TrainerWorker(
+                        section=job.trainer,
+                        model_dir=ensure_model(job.trainer.model),
+                        pgc=pgc,
+                        device=device,
+                        sync=job.weight_sync,
+                        plan=plan,
+                    )
+                )
+            elif a.is_head:
+                model = job.rollout_model() if a.role == "rollout" else roles[a.role].model
+                worker = EngineWorker(
+                    engine=plan.engines_of(a.role)[a.engine_index],
+                    section=roles[a.role],
+                    model_dir=ensure_model(model),
+                    device=device,
+                    local_rank=plan.ranks[rank].local_rank,
+                    log_dir=log_dir,
+                    host=node_address(plan),
+                )
+                workers.append(worker)
+                worker.start(job.cluster.startup_timeout_s)
+    except BaseException:
+        close_all(workers)
+        raise
+    return workers
+
+
+def close_all(workers: list[Any]) -> None:
+    for worker in reversed(workers):
+        worker.close()
+
+
+def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
+    """Run this rank's part of the job; on rank 0 returns what ``program(session)`` returned."""
+    rank = int(os.environ["RANK"])
+    store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
+    channel = None
+    workers: list[Any] = []
+    try:
+        check_same_plan(store, plan, rank, job.cluster.collective_timeout_s)
+        pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
+        if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
+            platform.prepare_megatron(job.cluster.device)
+        workers = build_workers(job, plan, rank, pgc)
+        handlers = {k: v for w in workers for k, v in w.handlers().items()}
+        channel = ControlChannel(
+            store, rank=rank, roles=role_labels(plan), timeout_s=job.cluster.collective_timeout_s
+        )
+        if rank != 0:
+            return channel.serve(handlers)
+        session = Session(
+            plan=plan,
+            channel=channel,
+            handlers=handlers,
+            startup_timeout_s=job.cluster.startup_timeout_s,
+        )
+        try:
+            return program(session)
+        finally:
+            session.shutdown()
+    finally:
+        close_all(workers)
+        if channel is not None:
+            channel.close()
+        dist.destroy_process_group()

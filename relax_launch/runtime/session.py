@@ -1,0 +1,88 @@
+"""Session: rank 0's handle on the running job — engines, trainer and weight sync by command.
+
+The controller (the RL loop, or a test) drives the whole job through this object; each method
+is one control-channel command to the ranks that own the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from relax_launch.placement.plan import PlacementPlan
+from relax_launch.runtime.control import ControlChannel
+from relax_launch.trainer.batch import TokenBatch
+
+
+class Session:
+    """Commands for the ranks of one job, issued from rank 0."""
+
+    def __init__(
+        self,
+        *,
+        plan: PlacementPlan,
+        channel: ControlChannel,
+        handlers: dict[str, Any],
+        startup_timeout_s: float,
+    ) -> None:
+        self.plan, self.channel, self.local = plan, channel, handlers
+        self.startup_timeout_s = startup_timeout_s
+        self.engine_urls: dict[str, list[str]] = {}
+        self.weight_version: int | None = None
+
+    def _call(
+        self, op: str, ranks: list[int], timeout_s: float | None = None, **kwargs: Any
+    ) -> dict:
+        return self.channel.call(op, ranks, local=self.local.get(op), timeout_s=timeout_s, **kwargs)
+
+    def wait_for_engines(self) -> dict[str, list[str]]:
+        """Each engine head's URL, once its server has generated a token."""
+        for engine in self.plan.engines:
+            op = f"{engine.role}.engine{engine.index}.url"
+            url = self._call(op, [engine.head_rank], timeout_s=self.startup_timeout_s)[
+                engine.head_rank
+            ]
+            self.engine_urls.setdefault(engine.role, []).append(url)
+        return self.engine_urls
+
+    def connect_weight_sync(self) -> None:
+        """Each pipeline stage's source rank forms its broadcast group with the rollout engines."""
+        urls = self.engine_urls.get("rollout") or self.wait_for_engines()["rollout"]
+        rollout = self.plan.engines_of("rollout")
+        for group in self.plan.weight_sync_groups:
+            targets = [
+                (urls[index], offset, f"rollout engine {index} (rank {rollout[index].head_rank})")
+                for index, offset in group.engine_rank_offsets
+            ]
+            self._call(
+                "weights.connect",
+                [group.source_rank],
+                pp_rank=group.pp_rank,
+                targets=targets,
+                world_size=group.world_size,
+            )
+
+    def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
+        """Push the trainer's weights to every rollout engine as ``weight_version``."""
+        replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
+        replies = self._call("weights.sync", replica0, weight_version=weight_version)
+        self.weight_version = weight_version
+        return [r for r in replies.values() if r is not None]
+
+    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+        replies = self._call(
+            "trainer.train_step", list(self.plan.trainer.ranks), batch=dataclasses.asdict(batch)
+        )
+        return replies[self._last_stage_rank()]
+
+    def logprobs(self, batch: TokenBatch) -> list[list[float]]:
+        replies = self._call(
+            "trainer.logprobs", list(self.plan.trainer.ranks), batch=dataclasses.asdict(batch)
+        )
+        return replies[self._last_stage_rank()]
+
+    def _last_stage_rank(self) -> int:
+        return self.plan.trainer.pp_stage_source(self.plan.trainer.pp_size - 1)
+
+    def shutdown(self) -> None:
+        self._call("shutdown", range(self.plan.world_size), timeout_s=60)

@@ -1,0 +1,120 @@
+"""The role workers of one rank: what it builds from the plan and the commands it answers.
+
+A trainer rank holds a ``Trainer`` (and, on a pipeline stage's tp0/dp0 rank, a ``WeightSender``);
+an engine head holds an ``SGLangServer``; an engine follower only holds its device. Handlers are
+named ``<role>.<command>``.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from relax_launch import platform
+from relax_launch.inference.config import InferenceRoleConfig
+from relax_launch.inference.server import SGLangServer, free_port
+from relax_launch.placement.plan import EnginePlan, PlacementPlan
+from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.config import TrainerConfig
+from relax_launch.weights.config import WeightSyncConfig
+from relax_launch.weights.sync import EngineTarget, WeightSender
+
+
+def node_address(plan: PlacementPlan) -> str:
+    """Address other nodes reach this one at (loopback on a single node)."""
+    return "127.0.0.1" if plan.nnodes == 1 else socket.gethostbyname(socket.gethostname())
+
+
+class TrainerWorker:
+    """This rank's share of the trainer, plus weight sending on a stage's source rank."""
+
+    def __init__(
+        self,
+        *,
+        section: TrainerConfig,
+        model_dir: Path,
+        pgc: Any,
+        device: platform.Device,
+        sync: WeightSyncConfig,
+        plan: PlacementPlan,
+    ) -> None:
+        from relax_launch.trainer.trainer import Trainer  # torch + Megatron: trainer ranks only
+
+        self.trainer = Trainer(section=section, model_dir=model_dir, pgc=pgc, device=device)
+        self.sync_config, self.plan, self.device = sync, plan, device
+        self.sender: WeightSender | None = None
+
+    def handlers(self) -> dict[str, Any]:
+        return {
+            "trainer.train_step": lambda batch: self.trainer.train_step(TokenBatch(**batch)),
+            "trainer.logprobs": lambda batch: self.trainer.logprobs(TokenBatch(**batch)),
+            "weights.connect": self.connect,
+            "weights.sync": self.sync,
+        }
+
+    def connect(self, pp_rank: int, targets: list[tuple[str, int, str]], world_size: int) -> None:
+        """Form this stage's broadcast group with every rollout engine worker."""
+        host = node_address(self.plan)
+        self.sender = WeightSender(
+            targets=[EngineTarget(*t) for t in targets],
+            world_size=world_size,
+            group_name=f"relax-weights-pp{pp_rank}",
+            host=host,
+            port=free_port(host),
+            backend=platform.dist_backend(self.device),
+            bucket_bytes=self.sync_config.bucket_size_mb * 2**20,
+            timeout_s=self.sync_config.timeout_s,
+        )
+        self.sender.connect()
+
+    def sync(self, weight_version: int) -> dict[str, Any] | None:
+        """Export this stage's weights (all of DP replica 0 gathers TP); the source sends them."""
+        named = self.trainer.export_hf_weights()
+        if self.sender is None:
+            for _ in named:  # take part in the TP gathers
+                pass
+            return None
+        report = self.sender.sync(named, weight_version)
+        return report.__dict__
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class EngineWorker:
+    """The head rank of one SGLang engine: starts, reports and stops its server."""
+
+    def __init__(
+        self,
+        *,
+        engine: EnginePlan,
+        section: InferenceRoleConfig,
+        model_dir: Path,
+        device: platform.Device,
+        local_rank: int,
+        log_dir: Path,
+        host: str,
+    ) -> None:
+        self.engine = engine
+        self.server = SGLangServer(
+            model_path=model_dir,
+            device=device,
+            host=host,
+            log_path=log_dir / f"{engine.role}-engine{engine.index}.log",
+            tp_size=engine.tp_size,
+            pp_size=engine.pp_size,
+            base_gpu_id=platform.engine_base_device(device, local_rank),
+            engine=section.engine,
+        )
+
+    def start(self, timeout_s: float) -> None:
+        self.server.start(timeout_s)
+
+    def handlers(self) -> dict[str, Any]:
+        role, index = self.engine.role, self.engine.index
+        return {f"{role}.engine{index}.url": lambda: self.server.url}
+
+    def close(self) -> None:
+        self.server.stop()

@@ -1,0 +1,257 @@
+"""WeightSender: push HF-named tensors from a trainer source rank into SGLang engines.
+
+One sender per pipeline stage. It rendezvouses a process group with every rollout engine worker
+(SGLang's ``init_weights_update_group``; the sender is rank 0), then each sync opens an update
+session on every engine, broadcasts fixed-size flattened buckets (one dtype per bucket, as
+SGLang's ``flattened_bucket`` format requires aligned offsets), sets ``weight_version`` and closes
+the session. SGLang applies a bucket as it arrives, so all-or-nothing is made here: the sender
+keeps a copy of the last committed weights and, if a sync fails midway, pushes it back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from relax_launch.weights.engine_client import Background, EngineRequestError, post
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed; the message says which engine and whether the rollback held."""
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One rollout engine as the sender sees it."""
+
+    url: str
+    rank_offset: int
+    label: str
+
+
+@dataclass
+class Bucket:
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    weight_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` and a single dtype."""
+    current = Bucket()
+    for name, tensor in named:
+        size = tensor.numel() * tensor.element_size()
+        if current.names and (
+            current.nbytes + size > bucket_bytes or tensor.dtype != current.tensors[0].dtype
+        ):
+            yield current
+            current = Bucket()
+        current.names.append(name)
+        current.tensors.append(tensor)
+        current.nbytes += size
+    if current.names:
+        yield current
+
+
+def flatten(bucket: Bucket, buffer: torch.Tensor) -> torch.Tensor:
+    """The bucket's bytes back to back in ``buffer`` (grown if needed); returns the used slice."""
+    if buffer.numel() < bucket.nbytes:
+        buffer.resize_(bucket.nbytes)
+    offset = 0
+    for tensor in bucket.tensors:
+        size = tensor.numel() * tensor.element_size()
+        buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        offset += size
+    return buffer[: bucket.nbytes]
+
+
+class WeightSender:
+    """The source rank's side of weight sync for one pipeline stage."""
+
+    def __init__(
+        self,
+        *,
+        targets: list[EngineTarget],
+        world_size: int,
+        group_name: str,
+        host: str,
+        port: int,
+        backend: str,
+        bucket_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self.targets, self.world_size, self.group_name = targets, world_size, group_name
+        self.host, self.port, self.backend = host, port, backend
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.group: dist.ProcessGroup | None = None
+        self.committed: list[tuple[str, torch.Tensor]] = []
+        self.committed_version = 0
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def connect(self) -> None:
+        """Form the broadcast group with every engine worker (the engines join over HTTP)."""
+        body = {
+            "master_address": self.host,
+            "master_port": self.port,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "backend": self.backend,
+        }
+        calls = [
+            Background(
+                t.url,
+                "/init_weights_update_group",
+                {**body, "rank_offset": t.rank_offset},
+                self.timeout_s,
+            )
+            for t in self.targets
+        ]
+        self.group = _sender_group(
+            self.backend, self.host, self.port, self.world_size, self.group_name, self.timeout_s
+        )
+        for target, call in zip(self.targets, calls, strict=True):
+            _checked(
+                target, "joining the weight-sync group", lambda c=call: c.result(self.timeout_s)
+            )
+
+    def sync(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> SyncReport:
+        """Send every tensor and commit ``weight_version``; on failure restore the last commit."""
+        start = time.monotonic()
+        sent: list[tuple[str, torch.Tensor]] = []
+        try:
+            self._send_all(named, sent, weight_version)
+        except (EngineRequestError, RuntimeError) as exc:
+            self._rollback(exc, weight_version)
+        self.committed, self.committed_version = sent, weight_version
+        num_bytes = sum(t.numel() * t.element_size() for _, t in sent)
+        return SyncReport(weight_version, len(sent), num_bytes, time.monotonic() - start)
+
+    def _send_all(
+        self, named: Iterable[tuple[str, torch.Tensor]], sent: list, version: int
+    ) -> None:
+        for target in self.targets:
+            _checked(
+                target,
+                "opening an update session",
+                lambda t=target: post(t.url, "/begin_weight_update", {}, self.timeout_s),
+            )
+        try:
+            for bucket in buckets(named, self.bucket_bytes):
+                self._send_bucket(bucket)
+                sent.extend(
+                    (n, t.detach().clone())
+                    for n, t in zip(bucket.names, bucket.tensors, strict=True)
+                )
+            for target in self.targets:
+                body = {"new_version": str(version), "abort_all_requests": False}
+                _checked(
+                    target,
+                    "setting weight_version",
+                    lambda t=target, b=body: post(
+                        t.url, "/update_weight_version", b, self.timeout_s
+                    ),
+                )
+        finally:
+            for target in self.targets:
+                post(target.url, "/end_weight_update", {}, self.timeout_s)
+
+    def _send_bucket(self, bucket: Bucket) -> None:
+        body = {
+            "names": bucket.names,
+            "dtypes": [DTYPE_NAMES[t.dtype] for t in bucket.tensors],
+            "shapes": [list(t.shape) for t in bucket.tensors],
+            "group_name": self.group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+        }
+        calls = [
+            Background(t.url, "/update_weights_from_distributed", body, self.timeout_s)
+            for t in self.targets
+        ]
+        dist.broadcast(flatten(bucket, self.buffer), group=self.group, group_src=0)
+        for target, call in zip(self.targets, calls, strict=True):
+            _checked(
+                target,
+                f"loading a bucket of {len(bucket.names)} tensors",
+                lambda c=call: c.result(self.timeout_s),
+            )
+
+    def _rollback(self, cause: Exception, version: int) -> None:
+        if not self.committed:
+            raise WeightSyncError(f"weight sync to version {version} failed: {cause}") from cause
+        try:
+            self._send_all(self.committed, [], self.committed_version)
+        except (EngineRequestError, RuntimeError) as again:
+            raise WeightSyncError(
+                f"weight sync to version {version} failed ({cause}) and restoring version "
+                f"{self.committed_version} failed too ({again}): engines hold mixed weights"
+            ) from cause
+        raise WeightSyncError(
+            f"weight sync to version {version} failed ({cause}); engines restored to version "
+            f"{self.committed_version}"
+        ) from cause
+
+    def close(self) -> None:
+        if self.group is None:
+            return
+        for target in self.targets:
+            try:
+                post(
+                    target.url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30
+                )
+            except EngineRequestError:
+                pass  # the engine is gone or stopping: nothing left to tear down there
+        dist.destroy_process_group(self.group)
+        self.group = None
+
+
+def _checked(target: EngineTarget, what: str, action) -> object:
+    try:
+        return action()
+    except EngineRequestError as exc:
+        raise EngineRequestError(f"{target.label} failed {what}: {exc}") from None
+
+
+def _sender_group(
+    backend: str, host: str, port: int, world_size: int, group_name: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """Build the group exactly as SGLang's ``init_custom_process_group`` does, as rank 0."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+        device_id=None,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group
