@@ -1,7 +1,7 @@
 """torchrun entry point: ``torchrun --nproc-per-node G launch.py CONFIG [key=value ...]``.
 
-Every rank loads the config, plans the placement for torchrun's world and checks it. The
-runtime that builds process groups and starts each rank's roles lands on top of this.
+Every rank loads the config, plans the placement for torchrun's world and checks it, then runs
+its part of the job (``relax_launch.runtime.job.run_rank``); rank 0 drives the others.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import sys
 
 from relax_launch.config import ConfigError, load_config
 from relax_launch.placement import plan, preflight
-from relax_launch.placement.render import describe
 
 
 def main(argv: list[str]) -> int:
@@ -21,18 +20,16 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         job = load_config(argv[0], argv[1:])
-        placement = plan(
-            job,
-            world_size=int(
-                os.environ.get("WORLD_SIZE", job.cluster.nnodes * job.cluster.nproc_per_node)
-            ),
-        )
+        world = job.cluster.nnodes * job.cluster.nproc_per_node
+        placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
         preflight(job, placement, require_models=True)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2
-    roles = ", ".join(describe(a) for a in placement.ranks[rank].assignments)
-    print(f"rank {rank}: plan {placement.stable_hash()} roles {roles}", flush=True)
+    from relax_launch.runtime.job import run_rank  # torch and friends: after validation
+    from relax_launch.runtime.session import bring_up
+
+    run_rank(job, placement, bring_up)
     return 0
 
 

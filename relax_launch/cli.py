@@ -74,6 +74,27 @@ def plan_command(
         click.echo(f"warning: {warning}", err=True)
 
 
+@main.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def run_command(config_path: str, overrides: tuple[str, ...]) -> None:
+    """Validate CONFIG, then run it on this machine as one torchrun job (launch.py).
+
+    Exits with the job's code; on failure names the rank and role that failed.
+    """
+    try:
+        _, placement, _ = _load_and_plan(config_path, overrides, None, None)
+    except ConfigError as exc:
+        _fail(str(exc))
+    if placement.nnodes != 1:
+        _fail(
+            f"run starts one machine; cluster.nnodes={placement.nnodes} needs a launcher per node"
+        )
+    from relax_launch.runtime.launcher import REPO_LAUNCH, run_local
+
+    sys.exit(run_local(REPO_LAUNCH, [config_path, *overrides], placement))
+
+
 @main.command("config")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")

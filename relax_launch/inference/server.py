@@ -6,6 +6,7 @@ scheduler and detokenizer processes it spawns: SIGTERM to the group, wait, then 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -100,6 +101,7 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 env=platform.sglang_env(self.device),
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_ready(timeout_s)
@@ -183,6 +185,15 @@ def _without_torchrun_env(env: os._Environ[str] | dict[str, str]) -> dict[str, s
     return {
         k: v for k, v in env.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
     }
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the rank that started it dies (Linux).
+
+    A rank killed with SIGKILL runs no cleanup; without this its server would outlive the job.
+    SGLang's own scheduler processes already die with the server.
+    """
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _group_alive(pgid: int | None) -> bool:

@@ -86,3 +86,18 @@ class Session:
 
     def shutdown(self) -> None:
         self._call("shutdown", range(self.plan.world_size), timeout_s=60)
+
+
+def bring_up(session: Session) -> dict[str, Any]:
+    """Start-up every job shares: engines ready, weight-sync groups formed, weights version 0.
+
+    Until the RL loop lands this is the whole controller program of ``launch.py``.
+    """
+    urls = session.wait_for_engines()
+    reports = []
+    if "rollout" in urls:
+        session.connect_weight_sync()
+        reports = session.sync_weights(0)
+    summary = {"engines": urls, "weight_sync": reports}
+    print(f"relax-launch: job is up: {summary}", flush=True)
+    return summary

@@ -1,13 +1,16 @@
 """torchrun worker for the runtime tests: train one step, sync, and report what the engines serve.
 
-usage: torchrun --nproc-per-node N job_worker.py CONFIG OUT.json [key=value ...]
-Rank 0 writes a JSON report: weight versions, trainer-vs-engine logprob differences before and
-after the sync, and a weight compared by name.
+usage: torchrun --nproc-per-node N job_worker.py PROGRAM CONFIG OUT.json [key=value ...]
+PROGRAM ``sync``: rank 0 writes a JSON report: weight versions, trainer-vs-engine logprob
+differences before and after the sync, and a weight compared by name. ``hold``: start, write the
+engine URLs, then wait to be killed. ``stuck``: send a train step to trainer rank 1 alone, so it
+waits in a collective rank 0 never joins.
 """
 
+import dataclasses
 import json
 import sys
-import urllib.request
+import time
 
 import torch
 
@@ -42,7 +45,7 @@ def max_diff(session, urls):
     return max(
         float((torch.tensor(engine_logprobs(u, t)) - torch.tensor(row)).abs().max())
         for u in urls
-        for t, row in zip(SEQUENCES, trainer)
+        for t, row in zip(SEQUENCES, trainer, strict=True)
     )
 
 
@@ -67,11 +70,24 @@ def program(session):
     return report
 
 
+def hold(session):
+    urls = session.wait_for_engines()
+    with open(sys.argv[3], "w") as out:
+        json.dump(urls, out)
+    time.sleep(300)
+
+
+def stuck(session):
+    batch = TokenBatch.next_token(SEQUENCES, [1, 1])
+    session.channel.call("trainer.train_step", [1], batch=dataclasses.asdict(batch))
+
+
 def main():
-    job = load_config(sys.argv[1], sys.argv[3:])
-    result = run_rank(job, plan(job), program)
+    job = load_config(sys.argv[2], sys.argv[4:])
+    programs = {"sync": program, "hold": hold, "stuck": stuck}
+    result = run_rank(job, plan(job), programs[sys.argv[1]])
     if result is not None:
-        with open(sys.argv[2], "w") as out:
+        with open(sys.argv[3], "w") as out:
             json.dump(result, out)
 
 

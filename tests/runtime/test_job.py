@@ -1,0 +1,117 @@
+"""One torchrun job for real: Megatron trainer and SGLang engines on their ranks, weight sync,
+and failures that end the job with the rank and role named, leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from relax_launch.config import load_config
+from relax_launch.inference.server import free_port
+from relax_launch.placement import plan
+from relax_launch.runtime.launcher import explain_failure, torchrun_command
+
+pytestmark = pytest.mark.e2e
+HERE = Path(__file__).parent
+WORKER = HERE / "job_worker.py"
+PARITY_TOLERANCE = 1e-3
+
+
+def sglang_pids() -> set[int]:
+    pids = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"sglang" in cmdline:
+            pids.add(int(pid))
+    return pids
+
+
+def start(program: str, config: str, out: Path, tmp_path: Path, *overrides: str):
+    job = load_config(HERE / config, overrides)
+    args = [program, str(HERE / config), str(out), f"logging.dir={tmp_path / 'logs'}", *overrides]
+    command = torchrun_command(WORKER, args, plan(job), free_port())
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    return process, plan(job)
+
+
+def finish(process, timeout_s: float) -> tuple[int, str]:
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, output
+
+
+def assert_no_new_sglang(before: set[int]) -> None:
+    deadline = time.monotonic() + 15
+    while (left := sglang_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"SGLang processes left behind: {left}"
+
+
+@pytest.mark.parametrize("config,engines", [("decoupled_4rank.yaml", 2), ("split_2rank.yaml", 1)])
+def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
+    before = sglang_pids()
+    out = tmp_path / "report.json"
+    process, _ = start("sync", config, out, tmp_path)
+    code, output = finish(process, 400)
+    assert code == 0, output[-4000:]
+    report = json.loads(out.read_text())
+    assert report["versions"] == ["1"] * engines
+    assert report["weight_changed"] and report["engines_agree"]
+    assert report["sync0"][0]["num_tensors"] == report["sync1"][0]["num_tensors"] == 21
+    # The trainer's per-token logprobs equal what the engines compute, before and after a sync.
+    assert report["parity_before"] <= PARITY_TOLERANCE
+    assert report["parity_after"] <= PARITY_TOLERANCE
+    assert report["train"][1]["loss"] < report["train"][0]["loss"]
+    print(f"{config}: logprob parity {report['parity_before']:.2e} / {report['parity_after']:.2e}")
+    assert_no_new_sglang(before)
+
+
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    for child in Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
+
+
+def test_sigkill_of_an_inference_rank_ends_the_job_naming_it(tmp_path):
+    before = sglang_pids()
+    out = tmp_path / "urls.json"
+    process, placement = start("hold", "decoupled_4rank.yaml", out, tmp_path)
+    deadline = time.monotonic() + 300
+    while not out.exists():
+        assert process.poll() is None and time.monotonic() < deadline, "job did not come up"
+        time.sleep(0.5)
+    os.kill(rank_pid(process.pid, 2), signal.SIGKILL)
+    killed_at = time.monotonic()
+    code, output = finish(process, 120)
+    assert code != 0
+    assert time.monotonic() - killed_at < 60
+    assert explain_failure(placement, output) == "rank 2 (rollout[e0 head]) was killed by SIGKILL"
+    assert_no_new_sglang(before)
+
+
+def test_rank_stuck_in_a_collective_times_out_naming_rank_role_and_op(tmp_path):
+    out = tmp_path / "unused.json"
+    process, _ = start(
+        "stuck", "decoupled_4rank.yaml", out, tmp_path, "cluster.collective_timeout_s=20"
+    )
+    code, output = finish(process, 300)
+    assert code != 0
+    assert "'trainer.train_step'" in output and "rank 1 (trainer[tp1 pp0 dp0])" in output
+    assert "no reply within 20 s" in output or "timed out" in output.lower()
