@@ -26,21 +26,10 @@ def read_shape(model_dir: Path) -> LlamaShape:
     return LlamaShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
 
 
-def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any) -> Any:
-    """A DDP-wrapped GPTModel for this rank's pipeline stage."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+def transformer_config(shape: LlamaShape, section: TrainerConfig) -> Any:
+    """Megatron's TransformerConfig for a Llama of ``shape`` under ``section``'s parallelism."""
     from megatron.core.transformer import TransformerConfig
 
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention scratch space; no collectives
-        parallel_state._set_global_memory_buffer()
     dtype = DTYPES[section.dtype]
     config = TransformerConfig(
         num_layers=shape.num_layers,
@@ -67,6 +56,24 @@ def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any) -> Any:
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
     )
+    return config
+
+
+def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) -> Any:
+    """A DDP-wrapped GPTModel for this rank's pipeline stage, on torch ``device``."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention scratch space; no collectives
+        parallel_state._set_global_memory_buffer()
+    config = transformer_config(shape, section)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -79,6 +86,7 @@ def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any) -> Any:
         post_process=is_pp_last_stage(pgc.pp),
         pg_collection=pgc,
     )
+    model = model.to(device)  # built on the CPU (use_cpu_initialization)
     ddp = DistributedDataParallel(
         config=config,
         module=model,

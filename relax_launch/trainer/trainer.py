@@ -7,6 +7,7 @@ the last pipeline stage.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ class Trainer:
         self.section, self.pgc = section, pgc
         self.shape = read_shape(model_dir)
         torch.manual_seed(section.seed)
-        self.model = build_gpt(self.shape, section, pgc)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.model = build_gpt(self.shape, section, pgc, platform.torch_device(device, local_rank))
         load_hf_checkpoint(self.model, model_dir, self.shape, pgc)
         self.optimizer = build_optimizer(
             self.model, section, pgc, platform.megatron_clip_grad(device, section.clip_grad)
