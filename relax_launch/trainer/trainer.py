@@ -31,8 +31,8 @@ class Trainer:
         self.section, self.pgc = section, pgc
         self.shape = read_shape(model_dir)
         torch.manual_seed(section.seed)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.model = build_gpt(self.shape, section, pgc, platform.torch_device(device, local_rank))
+        self.torch_device = platform.torch_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.model = build_gpt(self.shape, section, pgc, self.torch_device)
         load_hf_checkpoint(self.model, model_dir, self.shape, pgc)
         self.optimizer = build_optimizer(
             self.model, section, pgc, platform.megatron_clip_grad(device, section.clip_grad)
@@ -87,7 +87,7 @@ class Trainer:
             )
         per_rank = len(batch) // dp_size
         mine = batch.select(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        tensors = mine.tensors()
+        tensors = {k: v.to(self.torch_device) for k, v in mine.tensors().items()}
         seq = tensors["inputs"].shape[1]
         micro_batches = [
             {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, per_rank, micro)
