@@ -121,8 +121,8 @@ class WeightSender:
             )
             for t in self.targets
         ]
-        self.group = _sender_group(
-            self.backend, self.host, self.port, self.world_size, self.group_name, self.timeout_s
+        self.group = custom_group(
+            self.backend, self.host, self.port, self.world_size, 0, self.group_name, self.timeout_s
         )
         for target, call in zip(self.targets, calls, strict=True):
             _checked(
@@ -227,10 +227,17 @@ def _checked(target: EngineTarget, what: str, action) -> object:
         raise EngineRequestError(f"{target.label} failed {what}: {exc}") from None
 
 
-def _sender_group(
-    backend: str, host: str, port: int, world_size: int, group_name: str, timeout_s: float
+def custom_group(
+    backend: str,
+    host: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float,
 ) -> dist.ProcessGroup:
-    """Build the group exactly as SGLang's ``init_custom_process_group`` does, as rank 0."""
+    """A process group outside the default world, built exactly as SGLang's
+    ``init_custom_process_group`` builds its side (rank 0 hosts the store)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -240,7 +247,7 @@ def _sender_group(
     )
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout))
+    store, rank, world = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(
         world,
