@@ -43,6 +43,7 @@ def _receiver(port: int, rank: int, world: int, nbytes: int) -> None:
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(REPEATS + 1):
         dist.broadcast(buffer, group=group, group_src=0)
+    dist.destroy_process_group(group)
 
 
 def _sender_group_as(rank: int, port: int, world: int) -> dist.ProcessGroup:
@@ -152,6 +153,7 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # as on a torchrun rank (OMP_NUM_THREADS=1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()

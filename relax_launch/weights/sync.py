@@ -5,13 +5,15 @@ One sender per pipeline stage. It rendezvouses a process group with every rollou
 session on every engine, broadcasts fixed-size flattened buckets (one dtype per bucket, as
 SGLang's ``flattened_bucket`` format requires aligned offsets), sets ``weight_version`` and closes
 the session. SGLang applies a bucket as it arrives, so all-or-nothing is made here: the sender
-keeps a copy of the last committed weights and, if a sync fails midway, pushes it back.
+keeps the packed buckets of the last committed sync and, if a sync fails midway, sends them
+again. Bucket k+1 is packed on a thread while bucket k is broadcast.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -71,7 +73,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 def flatten(bucket: Bucket, buffer: torch.Tensor) -> torch.Tensor:
     """The bucket's bytes back to back in ``buffer`` (grown if needed); returns the used slice."""
     if buffer.numel() < bucket.nbytes:
-        buffer.resize_(bucket.nbytes)
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
     offset = 0
     for tensor in bucket.tensors:
         size = tensor.numel() * tensor.element_size()
@@ -99,9 +101,9 @@ class WeightSender:
         self.host, self.port, self.backend = host, port, backend
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: dist.ProcessGroup | None = None
-        self.committed: list[tuple[str, torch.Tensor]] = []
+        self.committed: list[tuple[dict, torch.Tensor]] = []  # (bucket metadata, flat bytes)
         self.committed_version = 0
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.spare: list[torch.Tensor] = []
 
     def connect(self) -> None:
         """Form the broadcast group with every engine worker (the engines join over HTTP)."""
@@ -132,49 +134,80 @@ class WeightSender:
     def sync(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> SyncReport:
         """Send every tensor and commit ``weight_version``; on failure restore the last commit."""
         start = time.monotonic()
-        sent: list[tuple[str, torch.Tensor]] = []
+        tensors = iter(named)
         try:
-            self._send_all(named, sent, weight_version)
+            packed = self._send_all(self._pack_ahead(tensors), weight_version)
         except (EngineRequestError, RuntimeError) as exc:
+            for _ in tensors:  # finish the export: the other TP ranks are still gathering
+                pass
             self._rollback(exc, weight_version)
-        self.committed, self.committed_version = sent, weight_version
-        num_bytes = sum(t.numel() * t.element_size() for _, t in sent)
-        return SyncReport(weight_version, len(sent), num_bytes, time.monotonic() - start)
+        # The packed buckets are the snapshot a later failed sync restores; the old snapshot's
+        # buffers become the next sync's packing space (no copy beyond the packing itself).
+        self.spare = [flat for _, flat in self.committed]
+        self.committed, self.committed_version = packed, weight_version
+        return SyncReport(
+            weight_version,
+            sum(len(m["names"]) for m, _ in packed),
+            sum(flat.numel() for _, flat in packed),
+            time.monotonic() - start,
+        )
+
+    def _pack_ahead(
+        self, named: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[dict, torch.Tensor]]:
+        """(metadata, flat bytes) per bucket; bucket k+1 is packed while bucket k is sent.
+
+        Tensors are pulled from ``named`` on this thread (it may run TP collectives); only the
+        byte copies run on the packer thread.
+        """
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-pack") as packer:
+            pending = None
+            for index, bucket in enumerate(buckets(named, self.bucket_bytes)):
+                future = packer.submit(self._pack, bucket, index)
+                if pending is not None:
+                    yield pending.result()
+                pending = future
+            if pending is not None:
+                yield pending.result()
+
+    def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
+        buffer = self.spare[index] if index < len(self.spare) else torch.empty(0, dtype=torch.uint8)
+        meta = {
+            "names": bucket.names,
+            "dtypes": [DTYPE_NAMES[t.dtype] for t in bucket.tensors],
+            "shapes": [list(t.shape) for t in bucket.tensors],
+        }
+        return meta, flatten(bucket, buffer)
 
     def _send_all(
-        self, named: Iterable[tuple[str, torch.Tensor]], sent: list, version: int
-    ) -> None:
+        self, packed: Iterable[tuple[dict, torch.Tensor]], version: int
+    ) -> list[tuple[dict, torch.Tensor]]:
         for target in self.targets:
             _checked(
                 target,
                 "opening an update session",
                 lambda t=target: post(t.url, "/begin_weight_update", {}, self.timeout_s),
             )
+        sent = []
         try:
-            for bucket in buckets(named, self.bucket_bytes):
-                self._send_bucket(bucket)
-                sent.extend(
-                    (n, t.detach().clone())
-                    for n, t in zip(bucket.names, bucket.tensors, strict=True)
-                )
+            for meta, flat in packed:
+                self._send_bucket(meta, flat)
+                sent.append((meta, flat))
+            body = {"new_version": str(version), "abort_all_requests": False}
             for target in self.targets:
-                body = {"new_version": str(version), "abort_all_requests": False}
                 _checked(
                     target,
                     "setting weight_version",
-                    lambda t=target, b=body: post(
-                        t.url, "/update_weight_version", b, self.timeout_s
-                    ),
+                    lambda t=target: post(t.url, "/update_weight_version", body, self.timeout_s),
                 )
         finally:
             for target in self.targets:
                 post(target.url, "/end_weight_update", {}, self.timeout_s)
+        return sent
 
-    def _send_bucket(self, bucket: Bucket) -> None:
+    def _send_bucket(self, meta: dict, flat: torch.Tensor) -> None:
         body = {
-            "names": bucket.names,
-            "dtypes": [DTYPE_NAMES[t.dtype] for t in bucket.tensors],
-            "shapes": [list(t.shape) for t in bucket.tensors],
+            **meta,
             "group_name": self.group_name,
             "load_format": "flattened_bucket",
             "flush_cache": False,
@@ -183,11 +216,11 @@ class WeightSender:
             Background(t.url, "/update_weights_from_distributed", body, self.timeout_s)
             for t in self.targets
         ]
-        dist.broadcast(flatten(bucket, self.buffer), group=self.group, group_src=0)
+        dist.broadcast(flat, group=self.group, group_src=0)
         for target, call in zip(self.targets, calls, strict=True):
             _checked(
                 target,
-                f"loading a bucket of {len(bucket.names)} tensors",
+                f"loading a bucket of {len(meta['names'])} tensors",
                 lambda c=call: c.result(self.timeout_s),
             )
 
@@ -195,7 +228,7 @@ class WeightSender:
         if not self.committed:
             raise WeightSyncError(f"weight sync to version {version} failed: {cause}") from cause
         try:
-            self._send_all(self.committed, [], self.committed_version)
+            self._send_all(self.committed, self.committed_version)
         except (EngineRequestError, RuntimeError) as again:
             raise WeightSyncError(
                 f"weight sync to version {version} failed ({cause}) and restoring version "

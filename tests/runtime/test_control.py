@@ -1,0 +1,83 @@
+"""The control channel over a real TCPStore: replies, errors and timeouts name rank and role."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from relax_launch.inference.server import free_port
+from relax_launch.runtime.control import ControlChannel, ControlTimeout, RemoteError
+
+ROLES = {0: "trainer[tp0 pp0 dp0]", 1: "rollout[e0 head]", 2: "teacher[e0 head]"}
+
+
+@pytest.fixture
+def stores():
+    port = free_port()
+    master = dist.TCPStore(
+        "127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False
+    )
+    clients = [dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=10)) for _ in (1, 2)]
+    return [master, *clients]
+
+
+def serve(store, rank, handlers, timeout_s=5.0):
+    channel = ControlChannel(store, rank=rank, roles=ROLES, timeout_s=timeout_s)
+    errors = []
+
+    def loop():
+        try:
+            channel.serve(handlers)
+        except ControlTimeout as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def test_commands_run_on_their_ranks_and_errors_come_back_named(stores):
+    def fail():
+        raise ValueError("bad batch")
+
+    workers = [serve(stores[r], r, {"add": lambda a, r=r: a + r, "boom": fail}) for r in (1, 2)]
+    rank0 = ControlChannel(stores[0], rank=0, roles=ROLES, timeout_s=5)
+    assert rank0.call("add", [0, 1, 2], local=lambda a: a * 10, a=5) == {0: 50, 1: 6, 2: 7}
+    assert rank0.call("add", [2], a=1) == {2: 3}
+    with pytest.raises(
+        RemoteError,
+        match=r"#3 'boom' failed on rank 1 \(rollout\[e0 head\]\): ValueError: bad batch",
+    ):
+        rank0.call("boom", [1])
+    rank0.call("shutdown", [0, 1, 2])
+    for thread, errors in workers:
+        thread.join(5)
+        assert not thread.is_alive() and not errors
+    rank0.close()
+
+
+def test_a_rank_that_never_answers_is_named_with_its_role_and_op(stores):
+    workers = [serve(stores[1], 1, {"work": lambda: time.sleep(3)})]
+    rank0 = ControlChannel(stores[0], rank=0, roles=ROLES, timeout_s=1)
+    with pytest.raises(
+        ControlTimeout,
+        match=r"command #1 'work': no reply within 1 s from rank 1 \(rollout\[e0 head\]\), "
+        r"rank 2 \(teacher\[e0 head\]\)",
+    ):
+        rank0.call("work", [1, 2])
+    rank0.close()
+    workers[0][0].join(10)
+
+
+def test_a_worker_stops_when_the_controller_falls_silent(stores):
+    rank0 = ControlChannel(stores[0], rank=0, roles=ROLES, timeout_s=1, heartbeat_s=0.1)
+    time.sleep(0.3)
+    rank0.close()  # heartbeat stops, no shutdown sent
+    thread, errors = serve(stores[1], 1, {}, timeout_s=1)
+    thread.join(10)
+    assert errors and "the controller (rank 0) has been silent" in str(errors[0])
+    assert "rank 1 (rollout[e0 head])" in str(errors[0])
