@@ -93,10 +93,16 @@ def test_plan_rejects_with_exit_2_and_no_traceback(args, fragment):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
-@pytest.mark.parametrize("command", [[], ["plan"], ["config"]])
+@pytest.mark.parametrize("command", [[], ["plan"], ["run"], ["config"]])
 def test_every_command_has_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "Usage:" in result.stdout
+
+
+def test_run_validates_before_starting_anything():
+    result = run("run", "configs/quickstart_cpu.yaml", "rollout.ranks=2")
+    assert result.returncode == 2 and "needs 1 rank more" in result.stderr
+    assert "Traceback" not in result.stderr and "torchrun" not in result.stdout
 
 
 def test_config_command_prints_the_full_config():

@@ -47,6 +47,9 @@ def sglang_server_args(device: Device) -> list[str]:
             "torch_native",
             "--disable-cuda-graph",
             "--skip-server-warmup",
+            # An idle scheduler otherwise busy-polls a whole core; on a 2-core host that starves
+            # the trainer and the other engines.
+            "--sleep-on-idle",
         ]
     return []
 
