@@ -4,11 +4,13 @@ usage: torchrun --nproc-per-node N job_worker.py PROGRAM CONFIG OUT.json [key=va
 PROGRAM ``sync``: rank 0 writes a JSON report: weight versions, trainer-vs-engine logprob
 differences before and after the sync, and a weight compared by name. ``hold``: start, write the
 engine URLs, then wait to be killed. ``stuck``: send a train step to trainer rank 1 alone, so it
-waits in a collective rank 0 never joins.
+waits in a collective rank 0 never joins. ``rollback``: a sync fails midway (rank 0 sends one
+tensor with a wrong shape); report what the engines serve afterwards, and after a clean retry.
 """
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -16,6 +18,7 @@ import torch
 
 from relax_launch.config import load_config
 from relax_launch.placement import plan
+from relax_launch.runtime.control import RemoteError
 from relax_launch.runtime.job import run_rank
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.weights.engine_client import get_json, post
@@ -82,9 +85,52 @@ def stuck(session):
     session.channel.call("trainer.train_step", [1], batch=dataclasses.asdict(batch))
 
 
+def rollback(session):
+    urls = session.wait_for_engines()["rollout"]
+    session.connect_weight_sync()
+    session.sync_weights(0)
+    before = [engine_weight(u) for u in urls]
+    session.train_step(TokenBatch.next_token(SEQUENCES, [1, 1]))
+    report = {"error": None}
+    try:
+        session.sync_weights(1)  # one tensor goes out with a wrong shape, after others applied
+    except RemoteError as exc:
+        report["error"] = str(exc)
+    report["versions_after_failure"] = [
+        get_json(u, "/model_info", 30)["weight_version"] for u in urls
+    ]
+    report["weights_restored"] = [engine_weight(u) for u in urls] == before
+    session.sync_weights(2)
+    report["versions_after_retry"] = [
+        get_json(u, "/model_info", 30)["weight_version"] for u in urls
+    ]
+    report["weights_changed_after_retry"] = [engine_weight(u) for u in urls] != before
+    return report
+
+
+def corrupt_version_1_export():
+    """On the source rank: during the sync to version 1, send model.norm.weight truncated."""
+    from relax_launch.trainer.trainer import Trainer
+
+    export = Trainer.export_hf_weights
+
+    calls = []
+
+    def corrupted(self):
+        calls.append(1)  # export 1 feeds version 0, export 2 feeds version 1
+        for name, tensor in export(self):
+            if len(calls) == 2 and name == "model.norm.weight":
+                tensor = tensor[: tensor.shape[0] // 2]
+            yield name, tensor
+
+    Trainer.export_hf_weights = corrupted
+
+
 def main():
     job = load_config(sys.argv[2], sys.argv[4:])
-    programs = {"sync": program, "hold": hold, "stuck": stuck}
+    programs = {"sync": program, "hold": hold, "stuck": stuck, "rollback": rollback}
+    if sys.argv[1] == "rollback" and os.environ["RANK"] == "0":
+        corrupt_version_1_export()
     result = run_rank(job, plan(job), programs[sys.argv[1]])
     if result is not None:
         with open(sys.argv[3], "w") as out:

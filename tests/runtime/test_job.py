@@ -81,6 +81,18 @@ def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
     assert_no_new_sglang(before)
 
 
+def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
+    out = tmp_path / "report.json"
+    process, _ = start("rollback", "decoupled_4rank.yaml", out, tmp_path)
+    code, output = finish(process, 400)
+    assert code == 0, output[-4000:]
+    report = json.loads(out.read_text())
+    assert "'weights.sync' failed on rank 0 (trainer[tp0 pp0 dp0])" in report["error"]
+    assert "engines restored to version 0" in report["error"]
+    assert report["versions_after_failure"] == ["0", "0"] and report["weights_restored"]
+    assert report["versions_after_retry"] == ["2", "2"] and report["weights_changed_after_retry"]
+
+
 def rank_pid(torchrun_pid: int, rank: int) -> int:
     for child in Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split():
         environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
