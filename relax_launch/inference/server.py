@@ -99,7 +99,7 @@ class SGLangServer:
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=platform.sglang_env(self.device),
+                env=platform.sglang_env(self.device, base=_without_torchrun_env(os.environ)),
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -188,12 +188,12 @@ def _without_torchrun_env(env: os._Environ[str] | dict[str, str]) -> dict[str, s
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL it when the rank that started it dies (Linux).
+    """In the child, before exec: SIGTERM it when the rank that started it dies (Linux).
 
     A rank killed with SIGKILL runs no cleanup; without this its server would outlive the job.
-    SGLang's own scheduler processes already die with the server.
+    SIGTERM (not SIGKILL) lets SGLang's launcher stop its scheduler and detokenizer itself.
     """
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _group_alive(pgid: int | None) -> bool:

@@ -8,6 +8,7 @@ commands -> stop every worker -> leave the process group.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,16 @@ def close_all(workers: list[Any]) -> None:
         worker.close()
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
     """Run this rank's part of the job; on rank 0 returns what ``program(session)`` returned."""
     rank = int(os.environ["RANK"])
+    # torchrun stops the other ranks with SIGTERM when one fails: exit through the finally
+    # blocks below so this rank's engine servers are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
     channel = None
     workers: list[Any] = []

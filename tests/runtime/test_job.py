@@ -82,6 +82,7 @@ def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
 
 
 def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
+    before = sglang_pids()
     out = tmp_path / "report.json"
     process, _ = start("rollback", "decoupled_4rank.yaml", out, tmp_path)
     code, output = finish(process, 400)
@@ -91,6 +92,7 @@ def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
     assert "engines restored to version 0" in report["error"]
     assert report["versions_after_failure"] == ["0", "0"] and report["weights_restored"]
     assert report["versions_after_retry"] == ["2", "2"] and report["weights_changed_after_retry"]
+    assert_no_new_sglang(before)
 
 
 def rank_pid(torchrun_pid: int, rank: int) -> int:
@@ -119,6 +121,7 @@ def test_sigkill_of_an_inference_rank_ends_the_job_naming_it(tmp_path):
 
 
 def test_rank_stuck_in_a_collective_times_out_naming_rank_role_and_op(tmp_path):
+    before = sglang_pids()
     out = tmp_path / "unused.json"
     process, _ = start(
         "stuck", "decoupled_4rank.yaml", out, tmp_path, "cluster.collective_timeout_s=20"
@@ -127,3 +130,4 @@ def test_rank_stuck_in_a_collective_times_out_naming_rank_role_and_op(tmp_path):
     assert code != 0
     assert "'trainer.train_step'" in output and "rank 1 (trainer[tp1 pp0 dp0])" in output
     assert "no reply within 20 s" in output or "timed out" in output.lower()
+    assert_no_new_sglang(before)
