@@ -7,11 +7,11 @@ the same run (target: under 1 s). Run: ``.venv/bin/python bench/plan_scale.py``.
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from timing import median_seconds
 
 from relax_launch.config import build_config
 from relax_launch.placement import plan
@@ -27,15 +27,6 @@ RAW = {
     "data": {"prompts_per_step": 512},
     "reward": {"sources": [{"name": "judge", "genrm": True}]},
 }
-
-
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def plan_once() -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from timing import median_seconds
 
 from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
@@ -30,12 +29,7 @@ REPEATS = 3
 
 
 def timed(fn) -> float:
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, REPEATS)
 
 
 def _receiver(port: int, rank: int, world: int, nbytes: int) -> None:
