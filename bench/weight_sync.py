@@ -22,6 +22,7 @@ from timing import median_seconds
 
 from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
+from relax_launch.weights.config import WeightSyncConfig
 from relax_launch.weights.engine_client import Background, post
 from relax_launch.weights.sync import DTYPE_NAMES, EngineTarget, WeightSender, custom_group
 
@@ -121,7 +122,7 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
             host="127.0.0.1",
             port=free_port(),
             backend="gloo",
-            bucket_bytes=256 * 2**20,
+            bucket_bytes=WeightSyncConfig().bucket_size_mb * 2**20,
             timeout_s=300,
         )
         sender.connect()

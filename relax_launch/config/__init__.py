@@ -5,7 +5,7 @@ re-exported here so users import everything from one place.
 """
 
 from relax_launch.config.errors import ConfigError
-from relax_launch.config.job import INFERENCE_ROLES, JobConfig
+from relax_launch.config.job import JobConfig
 from relax_launch.config.loading import (
     apply_overrides,
     build_config,
@@ -31,7 +31,6 @@ from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
 
 __all__ = [
-    "INFERENCE_ROLES",
     "AlgorithmConfig",
     "CheckpointConfig",
     "ClusterConfig",

@@ -18,8 +18,6 @@ from relax_launch.runtime.config import CheckpointConfig, LoggingConfig
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
 
-INFERENCE_ROLES = ("rollout", "genrm", "teacher")
-
 
 class JobConfig(Section):
     """One relax-launch job. The same schema backs YAML files and the Python API."""

@@ -33,10 +33,6 @@ class RankPlan:
     local_rank: int
     assignments: tuple[RoleAssignment, ...]
 
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return tuple(a.role for a in self.assignments)
-
 
 @dataclass(frozen=True)
 class EnginePlan:

@@ -11,7 +11,7 @@ class WeightSyncConfig(Section):
     """How trained weights reach the rollout engines."""
 
     bucket_size_mb: int = Field(
-        256, ge=1, description="Size of one flattened broadcast bucket, MiB."
+        64, ge=1, description="Size of one flattened broadcast bucket, MiB."
     )
     timeout_s: float = Field(
         300.0,
