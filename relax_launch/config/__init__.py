@@ -1,55 +1,42 @@
 """The job config: one pydantic schema for YAML files and the Python API.
 
 Sections are owned by their consumers (``placement/config.py``, ``trainer/config.py``, ...) and
-re-exported here so users import everything from one place.
+re-exported here so users import everything from one place. The re-exports resolve on first
+use, so a section module can import ``relax_launch.config.section`` without a cycle.
 """
 
-from relax_launch.config.errors import ConfigError
-from relax_launch.config.job import JobConfig
-from relax_launch.config.loading import (
-    apply_overrides,
-    build_config,
-    load_config,
-    with_overrides,
-)
-from relax_launch.inference.config import (
-    GatewayConfig,
-    GenRMConfig,
-    InferenceRoleConfig,
-    RolloutConfig,
-    TeacherConfig,
-)
-from relax_launch.placement.config import ClusterConfig, PlacementConfig
-from relax_launch.rl.config import (
-    AlgorithmConfig,
-    DataConfig,
-    RewardConfig,
-    RewardSource,
-)
-from relax_launch.runtime.config import CheckpointConfig, LoggingConfig
-from relax_launch.trainer.config import TrainerConfig
-from relax_launch.weights.config import WeightSyncConfig
+from __future__ import annotations
 
-__all__ = [
-    "AlgorithmConfig",
-    "CheckpointConfig",
-    "ClusterConfig",
-    "ConfigError",
-    "DataConfig",
-    "GatewayConfig",
-    "GenRMConfig",
-    "InferenceRoleConfig",
-    "JobConfig",
-    "LoggingConfig",
-    "PlacementConfig",
-    "RewardConfig",
-    "RewardSource",
-    "RolloutConfig",
-    "TeacherConfig",
-    "TrainerConfig",
-    "WeightSyncConfig",
-    "apply_overrides",
-    "build_config",
-    "load_config",
-    "with_overrides",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ConfigError": "relax_launch.config.errors",
+    "JobConfig": "relax_launch.config.job",
+    "apply_overrides": "relax_launch.config.loading",
+    "build_config": "relax_launch.config.loading",
+    "load_config": "relax_launch.config.loading",
+    "with_overrides": "relax_launch.config.loading",
+    "GatewayConfig": "relax_launch.inference.config",
+    "GenRMConfig": "relax_launch.inference.config",
+    "InferenceRoleConfig": "relax_launch.inference.config",
+    "RolloutConfig": "relax_launch.inference.config",
+    "TeacherConfig": "relax_launch.inference.config",
+    "ClusterConfig": "relax_launch.placement.config",
+    "PlacementConfig": "relax_launch.placement.config",
+    "AlgorithmConfig": "relax_launch.rl.config",
+    "DataConfig": "relax_launch.rl.config",
+    "RewardConfig": "relax_launch.rl.config",
+    "RewardSource": "relax_launch.rl.config",
+    "CheckpointConfig": "relax_launch.runtime.config",
+    "LoggingConfig": "relax_launch.runtime.config",
+    "TrainerConfig": "relax_launch.trainer.config",
+    "WeightSyncConfig": "relax_launch.weights.config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'relax_launch.config' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

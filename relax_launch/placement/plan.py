@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -111,7 +109,8 @@ class PlacementPlan:
         return tuple(e for e in self.engines if e.role == role)
 
     def to_json(self) -> str:
-        return json.dumps(_plain(self), sort_keys=True, separators=(",", ":"))
+        # Each frozen dataclass serialises as its __dict__: json's C encoder does the walking.
+        return json.dumps(self, default=vars, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> PlacementPlan:
@@ -139,22 +138,16 @@ class PlacementPlan:
         )
 
     def stable_hash(self) -> str:
-        """16 hex digits identifying this plan; equal on every rank that planned the same job."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """16 hex digits identifying this plan; equal on every rank that planned the same job.
 
+        The per-rank list is left out: it is derived from the fields hashed here (engines,
+        trainer grid, world shape, config digest) by the same code, named by its version.
+        """
+        from relax_launch import __version__
 
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready copy of a plan (dataclasses.asdict deep-copies every leaf: 10x slower)."""
-    if value is None or isinstance(value, int | str | float):
-        return value
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return {name: _plain(getattr(value, name)) for name in _field_names(type(value))}
+        summary = {k: v for k, v in vars(self).items() if k != "ranks"}
+        text = json.dumps([__version__, summary], default=vars, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _tupled(cls: type, data: dict[str, Any]) -> Any:
