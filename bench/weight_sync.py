@@ -142,7 +142,7 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
     for name, seconds in results.items():
         print(
             f"  {name:<11} {seconds:6.3f} s  {gb / seconds:5.2f} GB/s  "
-            f"ours is {seconds / results['ours']:.2f}x its speed"
+            f"speed relative to ours: {results['ours'] / seconds:.2f}"
         )
     print(f"  ours / ceiling = {results['ceiling'] / results['ours']:.2f} (target >= 0.85)")
 
