@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_launch.inference.server import SGLangServer, _group_alive
+from relax_launch.inference.server import SGLangServer, group_alive
 from relax_launch.models.build import ensure_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def _serve(model: Path, log_dir: Path, max_total_tokens: int) -> Iterator[SGLang
     finally:
         pid = server.pid
         server.stop()
-        assert not _group_alive(pid), f"SGLang processes of group {pid} outlived stop()"
+        assert not group_alive(pid), f"SGLang processes of group {pid} outlived stop()"
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import runpy
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -106,14 +105,10 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 
 def _inner_model(annotation: Any) -> Any:
-    for arg in (annotation, *typing.get_args(annotation)):
-        if _is_model(arg):
-            return arg
-        if isinstance(arg, types.GenericAlias) or typing.get_args(arg):
-            inner = _inner_model(arg) if arg is not annotation else None
-            if inner is not None:
-                return inner
-    return None
+    """The model class inside ``X``, ``X | None`` or ``tuple[X, ...]``, else None."""
+    if _is_model(annotation):
+        return annotation
+    return next(filter(None, map(_inner_model, typing.get_args(annotation))), None)
 
 
 def _is_model(obj: Any) -> bool:

@@ -148,7 +148,7 @@ class SGLangServer:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the server's process group, wait, then SIGKILL it. Idempotent."""
-        if self.process is None or self.process.poll() is not None and not _group_alive(self.pid):
+        if self.process is None or self.process.poll() is not None and not group_alive(self.pid):
             return
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
             try:
@@ -156,10 +156,10 @@ class SGLangServer:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and _group_alive(self.process.pid):
+            while time.monotonic() < deadline and group_alive(self.process.pid):
                 self.process.poll()
                 time.sleep(0.1)
-            if not _group_alive(self.process.pid):
+            if not group_alive(self.process.pid):
                 break
         self.process.wait(timeout=5)
 
@@ -196,7 +196,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _group_alive(pgid: int | None) -> bool:
+def group_alive(pgid: int | None) -> bool:
     """Whether any process of group ``pgid`` still runs (zombies of our own child aside)."""
     if pgid is None:
         return False

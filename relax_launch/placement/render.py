@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax_launch.placement.plan import PlacementPlan, RoleAssignment
+from relax_launch.placement.plan import PlacementPlan, RankPlan, RoleAssignment
 
 ROLE_COLOURS = {
     "trainer": "#4C72B0",
@@ -25,11 +25,16 @@ def describe(assignment: RoleAssignment) -> str:
     return f"{a.role}[e{a.engine_index} {'head' if a.is_head else f'follower{a.engine_rank}'}]"
 
 
+def roles_label(rank: RankPlan) -> str:
+    """Every role of one rank, e.g. ``trainer[tp0 pp0 dp0], rollout[e0 head]``, or ``idle``."""
+    return ", ".join(describe(a) for a in rank.assignments) or "idle"
+
+
 def table(plan: PlacementPlan) -> str:
     """The rank map as aligned text, followed by engines, phases and weight-sync groups."""
     rows = [("rank", "node", "local", "roles", "phase")]
     for r in plan.ranks:
-        roles = ", ".join(describe(a) for a in r.assignments) or "(idle)"
+        roles = roles_label(r)
         phases = ", ".join(dict.fromkeys(a.phase for a in r.assignments)) or "-"
         rows.append((str(r.rank), str(r.node), str(r.local_rank), roles, phases))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]

@@ -19,7 +19,7 @@ from relax_launch import platform
 from relax_launch.config.job import JobConfig
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
-from relax_launch.placement.render import describe
+from relax_launch.placement.render import roles_label
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.runtime.distributed import check_same_plan, init_distributed
 from relax_launch.runtime.groups import build_trainer_groups
@@ -30,7 +30,7 @@ Program = Callable[[Session], Any]
 
 
 def role_labels(plan: PlacementPlan) -> dict[int, str]:
-    return {r.rank: ", ".join(describe(a) for a in r.assignments) or "idle" for r in plan.ranks}
+    return {r.rank: roles_label(r) for r in plan.ranks}
 
 
 def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> list[Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from relax_launch.inference.server import free_port
 from relax_launch.placement.plan import PlacementPlan
-from relax_launch.placement.render import describe
+from relax_launch.placement.render import roles_label
 
 REPO_LAUNCH = Path(__file__).resolve().parents[2] / "launch.py"
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
@@ -47,7 +47,7 @@ def explain_failure(plan: PlacementPlan, output: str) -> str | None:
     if match is None:
         return None
     rank, code = int(match.group(1)), int(match.group(2))
-    roles = ", ".join(describe(a) for a in plan.ranks[rank].assignments) or "idle"
+    roles = roles_label(plan.ranks[rank])
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     return f"rank {rank} ({roles}) {how}"
 

@@ -1,0 +1,43 @@
+"""The launcher turns torchrun's failure summary into the failed rank and its roles."""
+
+from __future__ import annotations
+
+from relax_launch.config import build_config
+from relax_launch.placement import plan
+from relax_launch.runtime.launcher import explain_failure
+
+SUMMARY = """
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_11:23:51
+  host      : localhost
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 13390)
+"""
+
+
+def quickstart_plan():
+    return plan(
+        build_config(
+            {
+                "cluster": {"nproc_per_node": 4},
+                "trainer": {"model": "m", "ranks": 2},
+                "rollout": {"ranks": 2},
+                "data": {"prompts_per_step": 2},
+            }
+        )
+    )
+
+
+def test_signal_death_names_rank_role_and_signal():
+    text = explain_failure(quickstart_plan(), SUMMARY.format(rank=3, code=-9))
+    assert text == "rank 3 (rollout[e1 head]) was killed by SIGKILL"
+
+
+def test_exit_code_names_rank_and_role():
+    text = explain_failure(quickstart_plan(), SUMMARY.format(rank=1, code=1))
+    assert text == "rank 1 (trainer[tp0 pp0 dp1]) exited with code 1"
+
+
+def test_no_summary_no_explanation():
+    assert explain_failure(quickstart_plan(), "all good") is None
