@@ -43,7 +43,8 @@ SGLANG_CPU_DEPS = [
     "gguf",
     "jsonschema",
 ]
-RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httpx", "accelerate"]
+# httptools: the gateway's HTTP parser (uvicorn falls back to the slower h11 without it).
+RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httpx", "httptools", "accelerate"]
 
 setup(
     name="relax-launch",
@@ -56,7 +57,7 @@ setup(
     extras_require={
         "cpu": RUNTIME_DEPS + SGLANG_CPU_DEPS,
         "gpu": RUNTIME_DEPS + ["sglang"],
-        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff"],
+        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis"],
     },
     entry_points={"console_scripts": ["relax-launch=relax_launch.cli:main"]},
 )

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from relax_launch.inference.server import SGLangServer, group_alive
+from relax_launch.inference.process import group_alive
+from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -51,6 +51,16 @@ class InferenceRoleConfig(Section):
     lora_adapters: tuple[str, ...] = Field(
         (), description="LoRA adapter directories loaded at engine start (rollout only)."
     )
+    model_id: str | None = Field(
+        None,
+        min_length=1,
+        description="The id requests name in 'model'; default the model's name (builtin:NAME "
+        "-> NAME, a directory -> its last part). The model reference is always an alias.",
+    )
+    aliases: tuple[str, ...] = Field((), description="More names requests may use for the model.")
+    route_keys: tuple[str, ...] = Field(
+        (), description="Values of a request's 'route_key' that select this model."
+    )
     engine: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra SGLang server arguments, e.g. {max_total_tokens: 4096}. Placement "
@@ -91,6 +101,10 @@ class InferenceRoleConfig(Section):
                 f"{self.tp_size * self.pp_size} or change tp_size/pp_size"
             )
         return self
+
+    def resolved_model_id(self, model: str) -> str:
+        """The id clients use for ``model`` (this role's model reference)."""
+        return self.model_id or model.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
 
     @property
     def engine_tp_size(self) -> int:

@@ -1,29 +1,16 @@
-"""SGLangServer: one SGLang HTTP server process, started, checked and stopped by its PID.
-
-The server runs in its own session (process group = its PID) so that stopping it also stops the
-scheduler and detokenizer processes it spawns: SIGTERM to the group, wait, then SIGKILL.
-"""
+"""SGLangServer: one SGLang HTTP server process, started, checked and stopped by its PID."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from relax_launch import platform
-
-
-class EngineStartError(RuntimeError):
-    """An SGLang server did not come up; the message carries the tail of its log."""
+from relax_launch.inference.process import OwnedProcess
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,8 +32,8 @@ def engine_cli_args(engine: dict[str, Any]) -> list[str]:
     return args
 
 
-class SGLangServer:
-    """An SGLang HTTP server for one engine."""
+class SGLangServer(OwnedProcess):
+    """An SGLang HTTP server for one engine; ready once it has generated one token."""
 
     def __init__(
         self,
@@ -61,19 +48,15 @@ class SGLangServer:
         base_gpu_id: int = 0,
         engine: dict[str, Any] | None = None,
     ) -> None:
-        self.model_path, self.device, self.log_path = str(model_path), device, Path(log_path)
+        self.model_path, self.device = str(model_path), device
         self.host, self.port = host, port or free_port(host)
         self.parallel = {"tp_size": tp_size, "pp_size": pp_size, "base_gpu_id": base_gpu_id}
         self.engine = dict(engine or {})
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(log_path=log_path, what=f"SGLang server for {self.model_path}")
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
 
     def command(self) -> list[str]:
         return [
@@ -91,41 +74,11 @@ class SGLangServer:
             *engine_cli_args(self.engine),
         ]
 
-    def start(self, timeout_s: float) -> None:
-        """Start the server and return once it has generated one token, or raise."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=platform.sglang_env(self.device, base=_without_torchrun_env(os.environ)),
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        return platform.sglang_env(self.device, base=base)
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EngineStartError(
-                    f"SGLang server for {self.model_path} exited with code "
-                    f"{self.process.returncode} while starting:\n{self.log_tail()}"
-                )
-            try:
-                self.generate_one_token(timeout_s=5)
-                return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                time.sleep(0.5)
-        raise EngineStartError(
-            f"SGLang server for {self.model_path} at {self.url} did not generate a token within "
-            f"{timeout_s:.0f} s:\n{self.log_tail()}"
-        )
+    def probe(self, timeout_s: float) -> None:
+        self.generate_one_token(timeout_s)
 
     def generate_one_token(self, timeout_s: float) -> dict[str, Any]:
         """A real one-token generation: the readiness probe."""
@@ -140,88 +93,3 @@ class SGLangServer:
         )
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
-
-    def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.is_file():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, wait, then SIGKILL it. Idempotent."""
-        if self.process is None or self.process.poll() is not None and not group_alive(self.pid):
-            return
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and group_alive(self.process.pid):
-                self.process.poll()
-                time.sleep(0.1)
-            if not group_alive(self.process.pid):
-                break
-        self.process.wait(timeout=5)
-
-
-# Set by torchrun for its workers; SGLang reads some of them (e.g. LOCAL_RANK picks a NUMA node)
-# and its own process group must not rendezvous on the job's store.
-_TORCHRUN_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def _without_torchrun_env(env: os._Environ[str] | dict[str, str]) -> dict[str, str]:
-    return {
-        k: v for k, v in env.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
-    }
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the rank that started it dies (Linux).
-
-    A rank killed with SIGKILL runs no cleanup; without this its server would outlive the job.
-    SIGTERM (not SIGKILL) lets SGLang's launcher stop its scheduler and detokenizer itself.
-    """
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def group_alive(pgid: int | None) -> bool:
-    """Whether any process of group ``pgid`` still runs (zombies of our own child aside)."""
-    if pgid is None:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return any(
-        _pgid_of(pid) == pgid and not _is_zombie(pid)
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
-    )
-
-
-def _pgid_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from relax_launch import platform
 from relax_launch.config.job import JobConfig
+from relax_launch.inference.control_plane import ControlPlane, RoleSpec
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
@@ -71,6 +72,23 @@ def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> l
     return workers
 
 
+def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | None:
+    """Rank 0's gateway and role managers (None when the job has no inference role)."""
+    specs = []
+    for role, section in job.inference_roles().items():
+        model = job.rollout_model() if role == "rollout" else section.model
+        phase = plan.engines_of(role)[0].phase
+        specs.append(RoleSpec(role, model, ensure_model(model), section, phase))
+    if not specs:
+        return None
+    return ControlPlane(
+        specs,
+        gateway=job.gateway,
+        admin_token=os.environ.get(job.gateway.admin_token_env) or None,
+        log_dir=Path(job.logging.dir.format(name=job.name)),
+    )
+
+
 def close_all(workers: list[Any]) -> None:
     for worker in reversed(workers):
         worker.close()
@@ -87,10 +105,14 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
     # blocks below so this rank's engine servers are stopped, not orphaned.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
-    channel = None
+    channel = control_plane = None
     workers: list[Any] = []
     try:
         check_same_plan(store, plan, rank, job.cluster.collective_timeout_s)
+        if rank == 0:  # alive (not ready) while the engines start
+            control_plane = build_control_plane(job, plan)
+            if control_plane is not None:
+                control_plane.start()
         pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
         if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
             platform.prepare_megatron(job.cluster.device)
@@ -106,12 +128,15 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             channel=channel,
             handlers=handlers,
             startup_timeout_s=job.cluster.startup_timeout_s,
+            control_plane=control_plane,
         )
         try:
             return program(session)
         finally:
             session.shutdown()
     finally:
+        if control_plane is not None:
+            control_plane.close()
         close_all(workers)
         if channel is not None:
             channel.close()

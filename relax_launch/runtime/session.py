@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from relax_launch.inference.control_plane import ControlPlane
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.trainer.batch import TokenBatch
@@ -24,9 +25,10 @@ class Session:
         channel: ControlChannel,
         handlers: dict[str, Any],
         startup_timeout_s: float,
+        control_plane: ControlPlane | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
         self.engine_urls: dict[str, list[str]] = {}
         self.weight_version: int | None = None
 
@@ -35,14 +37,24 @@ class Session:
     ) -> dict:
         return self.channel.call(op, ranks, local=self.local.get(op), timeout_s=timeout_s, **kwargs)
 
+    @property
+    def gateway_url(self) -> str | None:
+        return self.control_plane.url if self.control_plane else None
+
     def wait_for_engines(self) -> dict[str, list[str]]:
-        """Each engine head's URL, once its server has generated a token."""
+        """Each engine head's URL, once its server has generated a token; the control plane
+        takes each role's engines as they are known."""
+        if self.engine_urls:
+            return self.engine_urls
         for engine in self.plan.engines:
             op = f"{engine.role}.engine{engine.index}.url"
             url = self._call(op, [engine.head_rank], timeout_s=self.startup_timeout_s)[
                 engine.head_rank
             ]
             self.engine_urls.setdefault(engine.role, []).append(url)
+        if self.control_plane is not None:
+            for role, urls in self.engine_urls.items():
+                self.control_plane.attach(role, urls, self.startup_timeout_s)
         return self.engine_urls
 
     def connect_weight_sync(self) -> None:
@@ -63,9 +75,23 @@ class Session:
             )
 
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
-        """Push the trainer's weights to every rollout engine as ``weight_version``."""
+        """Push the trainer's weights to every rollout engine as ``weight_version``.
+
+        The rollout model is not routable while the sync runs; it is once every engine serves
+        the new version, and a failed (rolled back) sync leaves readiness as it was before.
+        """
+        rollout = self.control_plane.managers.get("rollout") if self.control_plane else None
         replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
-        replies = self._call("weights.sync", replica0, weight_version=weight_version)
+        if rollout is not None:
+            rollout.weights_updating()
+        try:
+            replies = self._call("weights.sync", replica0, weight_version=weight_version)
+        except BaseException:
+            if rollout is not None:
+                rollout.weights_failed()
+            raise
+        if rollout is not None:
+            rollout.weights_committed(weight_version)
         self.weight_version = weight_version
         return [r for r in replies.values() if r is not None]
 
@@ -98,6 +124,6 @@ def bring_up(session: Session) -> dict[str, Any]:
     if "rollout" in urls:
         session.connect_weight_sync()
         reports = session.sync_weights(0)
-    summary = {"engines": urls, "weight_sync": reports}
+    summary = {"engines": urls, "gateway": session.gateway_url, "weight_sync": reports}
     print(f"relax-launch: job is up: {summary}", flush=True)
     return summary

@@ -56,11 +56,30 @@ def engine_weight(url: str) -> list[float]:
     return post(url, "/get_weights_by_name", {"name": WEIGHT, "truncate_size": 2}, 60)
 
 
+def gateway_state(session) -> dict:
+    """What the job's gateway answers: a real generation's status and the rollout discovery."""
+    import httpx
+
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    reply = httpx.post(session.gateway_url + "/rollout/generate", json=body, timeout=60)
+    engines = httpx.get(session.gateway_url + "/rollout/engines", timeout=30).json()
+    model = next(iter(engines["models"].values()))
+    return {
+        "generate": reply.status_code,
+        "retry_after": reply.headers.get("retry-after"),
+        "state": model["state"],
+        "weight_version": model["weight_version"],
+        "alive": httpx.get(session.gateway_url + "/health", timeout=30).json()["alive"],
+    }
+
+
 def program(session):
     urls = session.wait_for_engines()["rollout"]
     session.connect_weight_sync()
+    report = {"gateway_before_sync": gateway_state(session)}
     first = session.sync_weights(0)
-    report = {"parity_before": max_diff(session, urls), "sync0": first}
+    report.update(parity_before=max_diff(session, urls), sync0=first)
+    report["gateway_after_sync"] = gateway_state(session)
     before = engine_weight(urls[0])
     batch = TokenBatch.next_token(SEQUENCES, [1, 1])
     report["train"] = [session.train_step(batch) for _ in range(2)]
@@ -70,6 +89,7 @@ def program(session):
     report["engines_agree"] = all(engine_weight(u) == engine_weight(urls[0]) for u in urls)
     report["parity_after"] = max_diff(session, urls)
     report["urls"] = urls
+    report["gateway_after_sync1"] = gateway_state(session)
     return report
 
 
@@ -100,6 +120,7 @@ def rollback(session):
         get_json(u, "/model_info", 30)["weight_version"] for u in urls
     ]
     report["weights_restored"] = [engine_weight(u) for u in urls] == before
+    report["gateway_after_failure"] = gateway_state(session)
     session.sync_weights(2)
     report["versions_after_retry"] = [
         get_json(u, "/model_info", 30)["weight_version"] for u in urls

@@ -23,14 +23,16 @@ WORKER = HERE / "job_worker.py"
 PARITY_TOLERANCE = 1e-3
 
 
-def sglang_pids() -> set[int]:
+def sglang_pids(tag: str) -> set[int]:
+    """SGLang processes started by the test job tagged ``tag`` (others on the machine ignored)."""
     pids = set()
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if b"sglang" in cmdline:
+        if b"sglang" in cmdline and f"RELAX_TEST_JOB={tag}".encode() in environ.split(b"\0"):
             pids.add(int(pid))
     return pids
 
@@ -40,7 +42,12 @@ def start(program: str, config: str, out: Path, tmp_path: Path, *overrides: str)
     args = [program, str(HERE / config), str(out), f"logging.dir={tmp_path / 'logs'}", *overrides]
     command = torchrun_command(WORKER, args, plan(job), free_port())
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RELAX_TEST_JOB": str(tmp_path)},  # inherited by every SGLang server
     )
     return process, plan(job)
 
@@ -55,16 +62,15 @@ def finish(process, timeout_s: float) -> tuple[int, str]:
     return process.returncode, output
 
 
-def assert_no_new_sglang(before: set[int]) -> None:
+def assert_no_sglang_left(tmp_path: Path) -> None:
     deadline = time.monotonic() + 15
-    while (left := sglang_pids() - before) and time.monotonic() < deadline:
+    while (left := sglang_pids(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"SGLang processes left behind: {left}"
 
 
 @pytest.mark.parametrize("config,engines", [("decoupled_4rank.yaml", 2), ("split_2rank.yaml", 1)])
 def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
-    before = sglang_pids()
     out = tmp_path / "report.json"
     process, _ = start("sync", config, out, tmp_path)
     code, output = finish(process, 400)
@@ -77,12 +83,18 @@ def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
     assert report["parity_before"] <= PARITY_TOLERANCE
     assert report["parity_after"] <= PARITY_TOLERANCE
     assert report["train"][1]["loss"] < report["train"][0]["loss"]
+    # Readiness: alive but not routable until the first sync commits, then serving.
+    before_sync = report["gateway_before_sync"]
+    assert before_sync["alive"] and before_sync["state"] == "ONLOADING"
+    assert before_sync["generate"] == 503 and before_sync["retry_after"] == "1"
+    assert report["gateway_after_sync"]["generate"] == 200
+    assert report["gateway_after_sync"]["weight_version"] == "0"
+    assert report["gateway_after_sync1"]["weight_version"] == "1"
     print(f"{config}: logprob parity {report['parity_before']:.2e} / {report['parity_after']:.2e}")
-    assert_no_new_sglang(before)
+    assert_no_sglang_left(tmp_path)
 
 
 def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
-    before = sglang_pids()
     out = tmp_path / "report.json"
     process, _ = start("rollback", "decoupled_4rank.yaml", out, tmp_path)
     code, output = finish(process, 400)
@@ -91,8 +103,11 @@ def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
     assert "'weights.sync' failed on rank 0 (trainer[tp0 pp0 dp0])" in report["error"]
     assert "engines restored to version 0" in report["error"]
     assert report["versions_after_failure"] == ["0", "0"] and report["weights_restored"]
+    # The rolled-back sync leaves the gateway serving version 0, as before it started.
+    failed = report["gateway_after_failure"]
+    assert failed["generate"] == 200 and failed["weight_version"] == "0"
     assert report["versions_after_retry"] == ["2", "2"] and report["weights_changed_after_retry"]
-    assert_no_new_sglang(before)
+    assert_no_sglang_left(tmp_path)
 
 
 def rank_pid(torchrun_pid: int, rank: int) -> int:
@@ -104,7 +119,6 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
 
 
 def test_sigkill_of_an_inference_rank_ends_the_job_naming_it(tmp_path):
-    before = sglang_pids()
     out = tmp_path / "urls.json"
     process, placement = start("hold", "decoupled_4rank.yaml", out, tmp_path)
     deadline = time.monotonic() + 300
@@ -117,11 +131,10 @@ def test_sigkill_of_an_inference_rank_ends_the_job_naming_it(tmp_path):
     assert code != 0
     assert time.monotonic() - killed_at < 60
     assert explain_failure(placement, output) == "rank 2 (rollout[e0 head]) was killed by SIGKILL"
-    assert_no_new_sglang(before)
+    assert_no_sglang_left(tmp_path)
 
 
 def test_rank_stuck_in_a_collective_times_out_naming_rank_role_and_op(tmp_path):
-    before = sglang_pids()
     out = tmp_path / "unused.json"
     process, _ = start(
         "stuck", "decoupled_4rank.yaml", out, tmp_path, "cluster.collective_timeout_s=20"
@@ -130,4 +143,4 @@ def test_rank_stuck_in_a_collective_times_out_naming_rank_role_and_op(tmp_path):
     assert code != 0
     assert "'trainer.train_step'" in output and "rank 1 (trainer[tp1 pp0 dp0])" in output
     assert "no reply within 20 s" in output or "timed out" in output.lower()
-    assert_no_new_sglang(before)
+    assert_no_sglang_left(tmp_path)

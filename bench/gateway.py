@@ -1,0 +1,170 @@
+"""Benchmark: what the gateway adds on the way to an engine, against sglang-router.
+
+One upstream, reached three ways in the same run: directly, through relax-launch's gateway
+(uvicorn thread, as on rank 0) and through sglang-router (Rust). Two upstreams:
+  echo    a minimal HTTP server answering a fixed JSON body (isolates the proxy's own cost)
+  engine  a real SGLang CPU engine serving the tiny Llama, one new token per request
+Prints p50/p99 latency of sequential requests (keep-alive), the p50/p99 added over direct, and
+requests/s with 16 concurrent clients. Run: ``.venv/bin/python bench/gateway.py [--requests N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import uvicorn
+
+from relax_launch.inference.config import GatewayConfig
+from relax_launch.inference.discovery import RoutingSpec, WeightSource
+from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.gateway import InferenceGateway
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.router import SGLangRouter
+from relax_launch.inference.serve import GatewayServer
+from relax_launch.inference.server import SGLangServer
+from relax_launch.models.build import ensure_model
+
+BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+CONCURRENCY = 16
+ECHO_REPLY = b'{"text": "x", "meta_info": {"completion_tokens": 1}}'
+
+
+async def echo_app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": ECHO_REPLY})
+
+
+def start_echo() -> tuple[uvicorn.Server, str]:
+    config = uvicorn.Config(echo_app, host="127.0.0.1", port=0, log_level="error", http="httptools")
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+def start_gateway(upstream: str) -> GatewayServer:
+    manager = InferenceManager(
+        role="teacher",
+        model_id="m",
+        served_model_name="m",
+        weight_source=WeightSource.STATIC,
+        routing=RoutingSpec(default_model="m"),
+    )
+    manager.attach([EngineHandle("m/0", upstream, role="teacher", static=True)])
+    app = InferenceGateway({"teacher": manager}, config=GatewayConfig(), admin_token=None)
+    server = GatewayServer(app, "127.0.0.1", 0)
+    server.start()
+    return server
+
+
+def latencies(url: str, n: int) -> list[float]:
+    with httpx.Client() as client:
+        for _ in range(20):  # warm-up: connections, caches
+            client.post(url, json=BODY).raise_for_status()
+        out = []
+        for _ in range(n):
+            started = time.perf_counter()
+            client.post(url, json=BODY).raise_for_status()
+            out.append(time.perf_counter() - started)
+    return out
+
+
+async def _throughput(url: str, seconds: float) -> float:
+    done = 0
+    deadline = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < deadline:
+                async with s.post(url, json=BODY) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                done += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        return done / (time.perf_counter() - started)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if q < 100 else max(values)
+
+
+def measure(name: str, upstream: str, requests: int, seconds: float, log_dir: Path) -> None:
+    gateway = start_gateway(upstream)
+    router = SGLangRouter(worker_urls=[upstream], log_path=log_dir / f"router-{name}.log")
+    router.start(120)
+    paths = {
+        "direct": upstream + "/generate",
+        "gateway": gateway.url + "/teacher/generate",
+        "sglang-router": router.url + "/generate",
+    }
+    try:
+        rows = {}
+        for way, url in paths.items():
+            lat = latencies(url, requests)
+            rows[way] = (
+                percentile(lat, 50),
+                percentile(lat, 99),
+                asyncio.run(_throughput(url, seconds)),
+            )
+    finally:
+        router.stop()
+        gateway.stop()
+    base50, base99, _ = rows["direct"]
+    print(
+        f"\nupstream: {name} ({requests} sequential requests, "
+        f"{CONCURRENCY} concurrent for {seconds:.0f} s)"
+    )
+    print(f"  {'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8}")
+    for way, (p50, p99, rps) in rows.items():
+        print(
+            f"  {way:<14} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p50 - base50) * 1e3:8.2f} "
+            f"{(p99 - base99) * 1e3:8.2f} {rps:8.0f}"
+        )
+    ratio = rows["gateway"][2] / rows["sglang-router"][2]
+    print(f"  gateway throughput / sglang-router throughput = {ratio:.2f} (target >= 1.0)")
+    print(f"  gateway added p50 = {(rows['gateway'][0] - base50) * 1e3:.2f} ms (target <= 1 ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as logs:
+        echo, echo_url = start_echo()
+        try:
+            measure("echo", echo_url, args.requests, args.seconds, Path(logs))
+        finally:
+            echo.should_exit = True
+        engine = SGLangServer(
+            model_path=ensure_model("builtin:tiny-llama"),
+            device="cpu",
+            log_path=Path(logs) / "engine.log",
+            engine={"max_total_tokens": 2048},
+        )
+        engine.start(300)
+        try:
+            measure("engine", engine.url, args.requests // 3, args.seconds, Path(logs))
+        finally:
+            engine.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""ControlPlane: rank 0's inference side of the job — one ``InferenceManager`` per role, the
+gateway thread and, in route mode ``router``, the sglang-router process in front of rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig
+from relax_launch.inference.discovery import RoutingSpec, WeightSource
+from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.gateway import InferenceGateway, Renderer
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.router import SGLangRouter
+from relax_launch.inference.serve import GatewayServer
+
+log = logging.getLogger("relax_launch.gateway")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One inference role as the control plane sees it."""
+
+    role: str
+    model: str  # the reference from the config (builtin:NAME or a directory)
+    model_dir: Path
+    section: InferenceRoleConfig
+    phase: str
+
+
+def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> InferenceManager:
+    model_id = spec.section.resolved_model_id(spec.model)
+    names = (spec.model, *spec.section.aliases)
+    return InferenceManager(
+        role=spec.role,
+        model_id=model_id,
+        served_model_name=str(spec.model_dir),  # what SGLang reports as the model's name
+        weight_source=WeightSource.TRAINER if spec.role == "rollout" else WeightSource.STATIC,
+        routing=RoutingSpec(
+            default_model=model_id,
+            aliases={name: model_id for name in names if name != model_id},
+            route_key_map={key: model_id for key in spec.section.route_keys},
+            policy=gateway.routing_policy,
+        ),
+        phase=spec.phase,
+        drain_timeout_s=timeout_s,
+        vocab_size=json.loads((spec.model_dir / "config.json").read_text()).get("vocab_size"),
+    )
+
+
+def chat_renderer(model_dir: Path) -> Renderer:
+    """Judge messages -> prompt with the model's own chat template (tokenizer loaded once)."""
+    loaded: list[Any] = []
+    lock = threading.Lock()
+
+    def render(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        with lock:
+            if not loaded:
+                from transformers import AutoTokenizer  # only when the judge form is used
+
+                loaded.append(AutoTokenizer.from_pretrained(str(model_dir)))
+        return loaded[0].apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+
+    return render
+
+
+class ControlPlane:
+    """Managers, gateway and router of one job; ``close`` stops what it started."""
+
+    def __init__(
+        self,
+        roles: list[RoleSpec],
+        *,
+        gateway: GatewayConfig,
+        admin_token: str | None,
+        log_dir: Path,
+        operation_timeout_s: float = 120.0,
+    ) -> None:
+        self.specs = {spec.role: spec for spec in roles}
+        self.config, self.log_dir = gateway, log_dir
+        self.managers = {s.role: build_manager(s, gateway, operation_timeout_s) for s in roles}
+        renderers = {s.role: chat_renderer(s.model_dir) for s in roles if s.role == "genrm"}
+        app = InferenceGateway(
+            self.managers, config=gateway, admin_token=admin_token, renderers=renderers
+        )
+        self.server = GatewayServer(app, gateway.host, gateway.port)
+        self.router: SGLangRouter | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve the gateway (alive, nothing ready yet) and record where it listens."""
+        self.server.start(timeout_s)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        record = {"url": self.url, "roles": sorted(self.managers)}
+        (self.log_dir / "gateway.json").write_text(json.dumps(record) + "\n")
+        print(f"relax-launch: gateway serving on {self.url} (roles: {record['roles']})", flush=True)
+
+    def attach(self, role: str, urls: list[str], startup_timeout_s: float) -> None:
+        """A role's engines are up: hand them to its manager (and the router, if used)."""
+        manager = self.managers[role]
+        handles = [
+            EngineHandle(f"{manager.model_id}/{i}", url, role=role, static=role != "rollout")
+            for i, url in enumerate(urls)
+        ]
+        router_url = None
+        if role == "rollout" and self.config.rollout_route_mode == "router":
+            self.router = SGLangRouter(worker_urls=urls, log_path=self.log_dir / "router.log")
+            self.router.start(startup_timeout_s)
+            router_url = self.router.url
+        manager.attach(handles, router_url=router_url)
+
+    def close(self) -> None:
+        for manager in self.managers.values():
+            manager.shutdown()
+        if self.router is not None:
+            self.router.stop()
+        self.server.stop()

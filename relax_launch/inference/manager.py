@@ -1,0 +1,263 @@
+"""InferenceManager: the one lifecycle for every role's engines, and its discovery snapshots.
+
+States: STARTING -> READY; drain -> DRAINING; offload -> SLEEPING; onload -> ONLOADING -> READY;
+any failed transition -> FAILED (admission closed until an onload succeeds); shutdown -> DEAD.
+Operations are idempotent and serialised; snapshots are read without waiting for them. A
+rollout model is published READY only once its weights are valid (after the first weight sync)
+and never while a sync is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+from relax_launch.inference.discovery import (
+    Discovery,
+    EngineRecord,
+    ModelRecord,
+    RouteMode,
+    RoutingSpec,
+    State,
+    WeightSource,
+)
+from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle
+from relax_launch.weights.engine_client import EngineRequestError
+
+
+class LifecycleError(RuntimeError):
+    """A lifecycle operation failed; the model stays unavailable until a successful onload."""
+
+
+class InferenceManager:
+    """One role's model: its engines, their lifecycle, readiness and discovery."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        model_id: str,
+        served_model_name: str,
+        weight_source: WeightSource,
+        routing: RoutingSpec,
+        phase: str = "serving",
+        drain_timeout_s: float = 60.0,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.role, self.model_id, self.served_model_name = role, model_id, served_model_name
+        self.vocab_size = vocab_size  # token ids outside it are refused before the engine
+        self.weight_source, self.routing, self.phase = weight_source, routing, phase
+        self.drain_timeout_s = drain_timeout_s
+        self.registry_epoch = f"{role}-{uuid.uuid4().hex[:12]}"
+        self.engines: list[EngineHandle] = []
+        self.router_url: str | None = None
+        self.state = State.STARTING
+        self.weights_valid = weight_source is WeightSource.STATIC
+        self.weight_version: str | None = None
+        self.updating = False
+        self._operation = threading.RLock()  # serialises transitions
+        self._fields = threading.Lock()  # guards what snapshots read
+        self._revision, self._published = 0, None
+        self._on_shutdown: list[Callable[[], None]] = []
+
+    # ---- start-up and weights ------------------------------------------------------------
+
+    def attach(
+        self,
+        engines: list[EngineHandle],
+        router_url: str | None = None,
+        on_shutdown: Iterable[Callable[[], None]] = (),
+    ) -> None:
+        """The engines are up and serving (each generated a token)."""
+        with self._operation, self._fields:
+            self.engines, self.router_url = list(engines), router_url
+            self._on_shutdown = list(on_shutdown)
+            self.state = State.READY
+
+    def weights_updating(self) -> None:
+        """A weight sync starts: rollout stops being routable until it commits."""
+        with self._fields:
+            self.updating = True
+
+    def weights_committed(self, version: int) -> None:
+        """A sync committed ``version``; confirm every engine serves it, then open."""
+        try:
+            served = {e.engine_id: e.weight_version() for e in self.engines}
+        except EngineRequestError as exc:
+            self._fail(f"reading weight_version after sync {version}: {exc}")
+        stale = {k: v for k, v in served.items() if v != str(version)}
+        if stale:
+            self._fail(f"engines {stale} do not serve weight_version {version} after the sync")
+        with self._fields:
+            self.updating, self.weights_valid, self.weight_version = False, True, str(version)
+
+    def weights_failed(self) -> None:
+        """A sync failed and was rolled back: readiness returns to what it was before."""
+        with self._fields:
+            self.updating = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Pause generation, abort what runs, flush until idle (bounded by drain_timeout_s)."""
+        with self._operation:
+            if self.state in (State.DRAINING, State.SLEEPING):
+                return
+            self._run("drain", State.DRAINING, self._drain_engines, State.DRAINING)
+
+    def offload(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Drain, then release ``tags``; a failed drain never releases memory."""
+        tags = _tags(tags)
+        with self._operation:
+            if self.state is State.SLEEPING and not any(e.loaded & tags for e in self.engines):
+                return
+
+            drained = self.state is State.DRAINING
+
+            def action() -> None:
+                if not drained:
+                    self._drain_engines()
+                for engine in self.engines:
+                    held = sorted(engine.loaded & tags)
+                    if held:
+                        engine.call("release_memory_occupation", {"tags": held})
+                        engine.loaded -= set(held)
+
+            self._run("offload", State.DRAINING, action, State.SLEEPING)
+
+    def onload(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Resume only the missing ``tags``; reopen generation once every tag is back."""
+        tags = _tags(tags)
+        with self._operation:
+            if self.state is State.DEAD:
+                raise LifecycleError(f"{self.role} is shut down; it cannot be onloaded")
+            if self.state is State.READY and all(e.complete for e in self.engines):
+                return
+
+            def action() -> None:
+                for engine in self.engines:
+                    missing = sorted(tags - engine.loaded)
+                    if missing:
+                        engine.call("resume_memory_occupation", {"tags": missing})
+                        engine.loaded |= set(missing)
+                if all(e.complete for e in self.engines):
+                    for engine in self.engines:
+                        engine.call("continue_generation", {})
+
+            complete = all((e.loaded | tags) >= set(MEMORY_TAGS) for e in self.engines)
+            self._run(
+                "onload", State.ONLOADING, action, State.READY if complete else State.ONLOADING
+            )
+
+    def shutdown(self) -> None:
+        """Close admission for good and stop the engines this manager was given stoppers for."""
+        with self._operation:
+            if self.state is State.DEAD:
+                return
+            with self._fields:
+                self.state = State.DEAD
+            for stop in self._on_shutdown:
+                stop()
+
+    def _run(self, op: str, pending: State, action: Callable[[], None], done: State) -> None:
+        with self._fields:
+            self.state = pending
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - any failure must close admission
+            self._fail(f"{op} failed: {exc}")
+        with self._fields:
+            self.state = done
+
+    def _fail(self, why: str) -> None:
+        with self._fields:
+            self.state = State.FAILED
+        raise LifecycleError(
+            f"{self.role} model {self.model_id!r}: {why}; admission stays closed until an "
+            "onload succeeds"
+        )
+
+    def _drain_engines(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        for engine in self.engines:
+            engine.call("pause_generation", {"mode": "abort"})
+        for engine in self.engines:
+            while True:
+                engine.call("abort_request", {"abort_all": True})
+                try:
+                    engine.call("flush_cache", {})  # succeeds only once the engine is idle
+                    break
+                except EngineRequestError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"engine {engine.engine_id} still busy after "
+                            f"{self.drain_timeout_s:.0f} s; memory was not released"
+                        ) from None
+                    time.sleep(0.1)
+
+    # ---- discovery -----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._model_state() is State.READY
+
+    def _model_state(self) -> State:
+        if self.state is State.READY and (not self.weights_valid or self.updating):
+            return State.ONLOADING
+        return self.state
+
+    def snapshot(self) -> Discovery:
+        """The current discovery document; ``topology_revision`` moves only on change.
+
+        Built again only when something it shows changed (the gateway asks on every request).
+        """
+        with self._fields:
+            key = (
+                self._model_state(),
+                self.weight_version,
+                self.router_url,
+                tuple((e.engine_id, e.url, e.complete, e.generation) for e in self.engines),
+            )
+            if self._published is None or key != self._published[0]:
+                self._revision += 1
+                self._published = (key, self._build(key[0]))
+            return self._published[1]
+
+    def _build(self, state: State) -> Discovery:
+        engines = tuple(
+            EngineRecord(
+                engine_id=e.engine_id,
+                base_url=e.url,
+                state=state if e.complete or state is not State.READY else State.ONLOADING,
+                direct_eligible=True,
+                generation=e.generation,
+            )
+            for e in self.engines
+        )
+        model = ModelRecord(
+            state=state,
+            route_mode=RouteMode.ROUTER if self.router_url else RouteMode.DIRECT,
+            router_url=self.router_url,
+            weight_source=self.weight_source,
+            weight_version=self.weight_version,
+            served_model_name=self.served_model_name,
+            engines=engines,
+        )
+        return Discovery(
+            role=self.role,
+            registry_epoch=self.registry_epoch,
+            topology_revision=self._revision,
+            phase=self.phase,
+            routing=self.routing,
+            models={self.model_id: model},
+        )
+
+
+def _tags(tags: Iterable[str]) -> set[str]:
+    tags = set(tags)
+    unknown = sorted(tags - set(MEMORY_TAGS))
+    if unknown or not tags:
+        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, not {unknown}")
+    return tags

@@ -1,0 +1,163 @@
+"""OwnedProcess: a server process this rank starts, checks and stops by its PID.
+
+It runs in its own session (process group = its PID) so that stopping it also stops whatever
+it spawns (SGLang's scheduler and detokenizer): SIGTERM to the group, wait, then SIGKILL. It
+gets SIGTERM if the rank that started it dies, and never sees torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+from pathlib import Path
+
+
+class ProcessStartError(RuntimeError):
+    """A server did not come up; the message carries the tail of its log."""
+
+
+class OwnedProcess:
+    """Subclasses give ``command()``, ``url`` and ``probe()`` (raises OSError until ready)."""
+
+    def __init__(self, *, log_path: str | Path, what: str) -> None:
+        self.log_path, self.what = Path(log_path), what
+        self.process: subprocess.Popen[bytes] | None = None
+
+    url: str
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def probe(self, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        return base
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, timeout_s: float) -> None:
+        """Start the process and return once ``probe`` passes, or raise (and stop it)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(_without_torchrun_env(os.environ)),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ProcessStartError(
+                    f"{self.what} exited with code {self.process.returncode} while starting:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                self.probe(timeout_s=5)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(0.5)
+        raise ProcessStartError(
+            f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.is_file():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, wait, then SIGKILL it. Idempotent."""
+        if self.process is None or self.process.poll() is not None and not group_alive(self.pid):
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and group_alive(self.process.pid):
+                self.process.poll()
+                time.sleep(0.1)
+            if not group_alive(self.process.pid):
+                break
+        self.process.wait(timeout=5)
+
+
+# Set by torchrun for its workers; SGLang reads some of them (e.g. LOCAL_RANK picks a NUMA node)
+# and its own process group must not rendezvous on the job's store.
+_TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _without_torchrun_env(env: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    return {
+        k: v for k, v in env.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
+    }
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the rank that started it dies (Linux).
+
+    A rank killed with SIGKILL runs no cleanup; without this its server would outlive the job.
+    SIGTERM (not SIGKILL) lets SGLang's launcher stop its scheduler and detokenizer itself.
+    """
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def group_alive(pgid: int | None) -> bool:
+    """Whether any process of group ``pgid`` still runs (zombies of our own child aside)."""
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return any(
+        _pgid_of(pid) == pgid and not _is_zombie(pid)
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
+    )
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -1,0 +1,125 @@
+"""Request bodies the gateway accepts, validated before any engine is touched.
+
+The same models produce the gateway's OpenAPI document. Generation fields SGLang knows beyond
+these pass through untouched (``extra="allow"``); sampling parameters are checked strictly,
+since SGLang would fail on them only after admission.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from relax_launch.inference.asgi import HttpError
+
+# Never empty: SGLang's CPU engine crashes (and stays down) on a prompt of zero tokens.
+NonEmpty = Annotated[str, Field(min_length=1)]
+Ids = Annotated[list[int], Field(min_length=1)]
+Text = NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
+TokenIds = Ids | Annotated[list[Ids], Field(min_length=1)]
+Stop = str | list[str]
+
+
+class SamplingParams(BaseModel):
+    """SGLang's sampling parameters (the commonly used subset, strictly typed)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_new_tokens: int | None = Field(None, ge=0)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    n: int = Field(1, ge=1, le=64)
+    stop: Stop | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+
+class Routed(BaseModel):
+    # strict: JSON types as sent ("yes" is not a boolean, "3" not an integer)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = Field(None, min_length=1, description="Model id or alias.")
+    route_key: str | None = Field(None, min_length=1, description="A key of routing.route_key_map.")
+    stream: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(Routed):
+    """SGLang-native ``/generate``: ``text`` or ``input_ids``; ``messages`` only for the judge."""
+
+    text: Text | None = None
+    input_ids: TokenIds | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    sampling_params: SamplingParams | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = Field(None, ge=-1)
+    top_logprobs_num: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        given = [k for k in ("text", "input_ids", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of text, input_ids, messages (got {given or 'none'})"
+            )
+        if self.messages is not None and self.stream:
+            raise ValueError("the messages (judge) form of /generate does not stream")
+        return self
+
+
+class ChatRequest(Routed):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=64)
+    stop: Stop | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    seed: int | None = None
+
+
+class CompletionRequest(Routed):
+    prompt: Text | Ids
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=64)
+    stop: Stop | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    seed: int | None = None
+
+
+class MemoryTags(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(
+        default=["weights", "kv_cache", "cuda_graph"], min_length=1
+    )
+
+
+def validate(model: type[BaseModel], payload: dict[str, Any]) -> BaseModel:
+    """``model`` parsed from ``payload``, or a 400 naming the first bad field."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise HttpError(400, f"{where}: {first['msg']}") from None

@@ -1,0 +1,54 @@
+"""SGLangRouter: an sglang-router process in front of the rollout engines (route mode ROUTER).
+
+Rank 0 starts it once the engines are up and stops it by PID with the job; it is ready once it
+answers a real generation through one of its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+from relax_launch.inference.process import OwnedProcess
+from relax_launch.inference.server import free_port
+
+
+class SGLangRouter(OwnedProcess):
+    def __init__(
+        self, *, worker_urls: list[str], log_path: str | Path, host: str = "127.0.0.1"
+    ) -> None:
+        self.worker_urls, self.host, self.port = list(worker_urls), host, free_port(host)
+        super().__init__(log_path=log_path, what=f"sglang-router for {len(worker_urls)} engines")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+            "--worker-urls",
+            *self.worker_urls,
+        ]
+
+    def probe(self, timeout_s: float) -> None:
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        request = urllib.request.Request(
+            self.url + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            json.loads(response.read())

@@ -1,0 +1,90 @@
+"""Fixtures for the control-plane tests: real gateways on 127.0.0.1 over managers whose engines
+are a scripted upstream (to observe what reached an engine) or a real SGLang server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from fake_upstream import FakeUpstream
+
+from relax_launch.inference.config import GatewayConfig
+from relax_launch.inference.discovery import RoutingSpec, WeightSource
+from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.gateway import InferenceGateway, Renderer
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.serve import GatewayServer
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+def make_manager(
+    role: str, urls: list[str], *, served: str = "/models/m", ready: bool = True, **routing
+) -> InferenceManager:
+    """A manager for ``role`` over engines at ``urls``; rollout's first sync is marked done."""
+    manager = InferenceManager(
+        role=role,
+        model_id="m",
+        served_model_name=served,
+        weight_source=WeightSource.TRAINER if role == "rollout" else WeightSource.STATIC,
+        routing=RoutingSpec(default_model="m", **routing),
+        drain_timeout_s=30,
+        vocab_size=320,  # the tiny Llama's
+    )
+    if ready:
+        handles = [
+            EngineHandle(f"m/{i}", url, role=role, static=role != "rollout")
+            for i, url in enumerate(urls)
+        ]
+        manager.attach(handles)
+        if role == "rollout":
+            manager.weights_valid, manager.weight_version = True, "0"
+    return manager
+
+
+@contextmanager
+def serve(
+    managers: dict[str, InferenceManager],
+    *,
+    admin_token: str | None = ADMIN_TOKEN,
+    renderers: dict[str, Renderer] | None = None,
+    **config,
+) -> Iterator[str]:
+    """A real gateway (uvicorn thread) for ``managers``; yields its URL."""
+    app = InferenceGateway(
+        managers, config=GatewayConfig(**config), admin_token=admin_token, renderers=renderers
+    )
+    server = GatewayServer(app, "127.0.0.1", 0)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def fake() -> Iterator[FakeUpstream]:
+    upstream = FakeUpstream().start()
+    yield upstream
+    upstream.stop()
+
+
+@pytest.fixture
+def upstream(fake: FakeUpstream) -> FakeUpstream:
+    fake.reset()
+    return fake
+
+
+@pytest.fixture
+def gateway_over(upstream: FakeUpstream) -> Callable:
+    """``with gateway_over(role, ...) as (url, manager):`` — one role over the fake upstream."""
+
+    @contextmanager
+    def open_gateway(role: str = "teacher", engines: int = 1, routing=None, **config):
+        urls = [f"{upstream.url}/e{i}" for i in range(engines)]
+        manager = make_manager(role, urls, **(routing or {}))
+        with serve({role: manager}, **config) as url:
+            yield url, manager
+
+    return open_gateway

@@ -1,0 +1,102 @@
+"""A scripted HTTP upstream (a real server on 127.0.0.1) that records what the gateway sends.
+
+Used where a test must prove what reached an engine — nothing, once, which headers, whether a
+stream was closed — or script failures a real engine cannot be made to show on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+SSE_CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\n', b"\n", b"data: [DONE]\n\n"]
+
+
+class FakeUpstream:
+    """``mode``: ok | slow | fail_after_first | hang_after_first | error_400."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.requests: list[dict[str, Any]] = []
+        self.disconnects = 0
+        self.lock = threading.Lock()
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=0,
+                log_level="error",
+                lifespan="off",
+                interface="asgi3",
+            )
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> FakeUpstream:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "fake upstream down"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def reset(self, mode: str = "ok") -> None:
+        with self.lock:
+            self.mode, self.requests, self.disconnects = mode, [], 0
+
+    async def app(self, scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        with self.lock:
+            self.requests.append({"path": scope["path"], "headers": headers, "body": body})
+        payload = json.loads(body or b"{}")
+        if self.mode == "slow":
+            await asyncio.sleep(5)
+        if self.mode == "error_400":
+            return await self._reply(send, 400, b'{"error": "bad sampling"}', "application/json")
+        if payload.get("stream"):
+            return await self._stream(receive, send)
+        echo = {"path": scope["path"], "received": payload, "text": "  judged: 7  "}
+        await self._reply(send, 200, json.dumps(echo).encode(), "application/json")
+
+    async def _reply(self, send, status: int, body: bytes, content_type: str) -> None:
+        headers = [(b"content-type", content_type.encode()), (b"x-request-id", b"upstream-1")]
+        headers.append((b"connection", b"keep-alive"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _stream(self, receive, send) -> None:
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        chunks = SSE_CHUNKS if self.mode == "ok" else SSE_CHUNKS[:1]
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0.02)
+        if self.mode == "fail_after_first":
+            raise RuntimeError("upstream dies mid-stream")  # uvicorn drops the connection
+        if self.mode == "hang_after_first":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            with self.lock:
+                self.disconnects += 1
+            return
+        await send({"type": "http.response.body", "body": b""})
