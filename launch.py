@@ -27,9 +27,9 @@ def main(argv: list[str]) -> int:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2
     from relax_launch.runtime.job import run_rank  # torch and friends: after validation
-    from relax_launch.runtime.session import bring_up
+    from relax_launch.runtime.programs import rl_program
 
-    run_rank(job, placement, bring_up)
+    run_rank(job, placement, rl_program(job))
     return 0
 
 

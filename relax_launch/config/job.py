@@ -59,6 +59,7 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> JobConfig:
         problems = _role_usage_problems(self) + _colocation_problems(self) + _engine_problems(self)
+        problems += _batch_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -139,3 +140,20 @@ def _engine_problems(job: JobConfig) -> list[str]:
                 f"+ data.max_response_tokens = {needed}: raise it or shorten the data limits."
             )
     return problems
+
+
+def _batch_problems(job: JobConfig) -> list[str]:
+    """A step's samples must split evenly over data-parallel ranks and micro-batches."""
+    t = job.trainer
+    ranks = t.ranks or job.cluster.nnodes * job.cluster.nproc_per_node
+    if ranks % (t.tp_size * t.pp_size):
+        return []  # the planner reports the trainer grid itself
+    dp = ranks // (t.tp_size * t.pp_size)
+    samples = job.data.prompts_per_step * job.algorithm.n_samples_per_prompt
+    if samples % (dp * t.micro_batch_size):
+        return [
+            f"data.prompts_per_step x algorithm.n_samples_per_prompt = {samples} samples per step "
+            f"do not split over {dp} data-parallel trainer ranks x trainer.micro_batch_size="
+            f"{t.micro_batch_size}: make it a multiple of {dp * t.micro_batch_size}."
+        ]
+    return []

@@ -120,6 +120,10 @@ class ControlPlane:
         manager.attach(handles, router_url=router_url)
 
     def close(self) -> None:
+        """Stop routing, keep the final metrics (``gateway_metrics.txt``), stop what we started."""
+        metrics = self.server.app.metrics.render(self.managers)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / "gateway_metrics.txt").write_text(metrics)
         for manager in self.managers.values():
             manager.shutdown()
         if self.router is not None:

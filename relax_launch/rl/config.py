@@ -78,6 +78,12 @@ class RewardSource(Section):
     )
     genrm: bool = Field(False, description="Score with the GenRM judge instead of a function.")
     weight: float = Field(1.0, description="Weight of this source in the summed reward.")
+    fallback: float | None = Field(
+        None,
+        description="Reward used when this source fails for a sample (raises, returns a "
+        "non-number, an unparseable judge reply); counted in reward/NAME/failed either way. "
+        "Unset: the sample gets no gradient that step.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_kind(self) -> RewardSource:

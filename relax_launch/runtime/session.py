@@ -11,6 +11,7 @@ from typing import Any
 
 from relax_launch.inference.control_plane import ControlPlane
 from relax_launch.placement.plan import PlacementPlan
+from relax_launch.rl.losses import LossSpec
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.trainer.batch import TokenBatch
 
@@ -95,9 +96,12 @@ class Session:
         self.weight_version = weight_version
         return [r for r in replies.values() if r is not None]
 
-    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+    def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
         replies = self._call(
-            "trainer.train_step", list(self.plan.trainer.ranks), batch=dataclasses.asdict(batch)
+            "trainer.train_step",
+            list(self.plan.trainer.ranks),
+            batch=dataclasses.asdict(batch),
+            spec=dataclasses.asdict(spec) if spec else None,
         )
         return replies[self._last_stage_rank()]
 

@@ -15,6 +15,7 @@ from relax_launch import platform
 from relax_launch.inference.config import InferenceRoleConfig
 from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
+from relax_launch.rl.losses import LossSpec
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
@@ -47,7 +48,9 @@ class TrainerWorker:
 
     def handlers(self) -> dict[str, Any]:
         return {
-            "trainer.train_step": lambda batch: self.trainer.train_step(TokenBatch(**batch)),
+            "trainer.train_step": lambda batch, spec=None: self.trainer.train_step(
+                TokenBatch(**batch), LossSpec(**spec) if spec else None
+            ),
             "trainer.logprobs": lambda batch: self.trainer.logprobs(TokenBatch(**batch)),
             "weights.connect": self.connect,
             "weights.sync": self.sync,

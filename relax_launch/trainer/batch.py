@@ -18,15 +18,19 @@ class TokenBatch:
     tokens: tuple[tuple[int, ...], ...]
     loss_mask: tuple[tuple[float, ...], ...]
     token_weights: tuple[tuple[float, ...], ...]
+    # Logprobs of the tokens when they were sampled; with them the loss is PPO-clip (weights are
+    # then the per-token advantages), without them it is weighted next-token likelihood.
+    old_logprobs: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        for i, (t, m, w) in enumerate(
-            zip(self.tokens, self.loss_mask, self.token_weights, strict=True)
+        old = self.old_logprobs or self.token_weights
+        for i, (t, m, w, o) in enumerate(
+            zip(self.tokens, self.loss_mask, self.token_weights, old, strict=True)
         ):
-            if not len(t) == len(m) == len(w) or len(t) < 2:
+            if not len(t) == len(m) == len(w) == len(o) or len(t) < 2:
                 raise ValueError(
-                    f"sequence {i}: tokens, loss_mask and token_weights need one entry per token "
-                    f"and at least 2 tokens (got {len(t)}, {len(m)}, {len(w)})"
+                    f"sequence {i}: tokens, loss_mask, token_weights (and old_logprobs) need one "
+                    f"entry per token and at least 2 tokens (got {len(t)}, {len(m)}, {len(w)})"
                 )
 
     @classmethod
@@ -42,10 +46,14 @@ class TokenBatch:
         return len(self.tokens)
 
     def select(self, indices: range) -> TokenBatch:
+        def pick(rows):
+            return None if rows is None else tuple(rows[i] for i in indices)
+
         return TokenBatch(
-            tuple(self.tokens[i] for i in indices),
-            tuple(self.loss_mask[i] for i in indices),
-            tuple(self.token_weights[i] for i in indices),
+            pick(self.tokens),
+            pick(self.loss_mask),
+            pick(self.token_weights),
+            pick(self.old_logprobs),
         )
 
     def tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -58,9 +66,12 @@ class TokenBatch:
             return torch.tensor([list(r) + [value] * (longest - len(r)) for r in rows], dtype=dtype)
 
         tokens = pad(self.tokens, pad_id, torch.long)
-        return {
+        out = {
             "inputs": tokens[:, :-1].contiguous(),
             "targets": tokens[:, 1:].contiguous(),
             "mask": pad(self.loss_mask, 0.0, torch.float32)[:, 1:].contiguous(),
             "weights": pad(self.token_weights, 0.0, torch.float32)[:, 1:].contiguous(),
         }
+        if self.old_logprobs is not None:
+            out["old_logprobs"] = pad(self.old_logprobs, 0.0, torch.float32)[:, 1:].contiguous()
+        return out

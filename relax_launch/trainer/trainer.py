@@ -7,6 +7,7 @@ the last pipeline stage.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from relax_launch import platform
+from relax_launch.rl.losses import LossSpec, policy_loss
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
@@ -43,27 +45,31 @@ class Trainer:
     def is_last_stage(self) -> bool:
         return self.pgc.pp.rank() == self.pgc.pp.size() - 1
 
-    def train_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One optimizer step on -sum(weight * mask * logprob) / sum(mask) per micro-batch.
+    def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
+        """One optimizer step: PPO-clip (``spec``) when the batch has old logprobs, else
+        -sum(weight * mask * logprob) / sum(mask) per micro-batch.
 
-        Returns the grad norm, and on the last pipeline stage the mean micro-batch loss.
+        Returns the grad norm, and on the last pipeline stage the mean micro-batch loss (and,
+        for PPO, the clipped fraction and approximate KL to the sampling policy).
         """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batch, forward_only=False)
+        outputs = self._run(batch, forward_only=False, spec=spec or LossSpec())
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError(f"trainer step {self.step}: optimizer skipped the update")
         self.step += 1
         metrics = {"grad_norm": float(grad_norm or 0.0)}
         if self.is_last_stage:  # the loss exists only where the logits are
-            metrics["loss"] = sum(float(o["loss"]) for o in outputs) / len(outputs)
+            for key in ("loss", "clip_fraction", "approx_kl"):
+                if key in outputs[0]:
+                    metrics[key] = sum(float(o[key]) for o in outputs) / len(outputs)
         return metrics
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> list[list[float]] | None:
         """Per-token logprobs of ``tokens[1:]`` for the whole batch (last stage; else None)."""
-        outputs = self._run(batch, forward_only=True)
+        outputs = self._run(batch, forward_only=True, spec=LossSpec())
         if not self.is_last_stage:
             return None
         mine = [row for o in outputs for row in o["logprobs"]]
@@ -72,7 +78,7 @@ class Trainer:
         rows = [row for part in gathered for row in part]
         return [row[: len(t) - 1] for row, t in zip(rows, batch.tokens, strict=True)]
 
-    def _run(self, batch: TokenBatch, forward_only: bool) -> list[dict[str, Any]]:
+    def _run(self, batch: TokenBatch, forward_only: bool, spec: LossSpec) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dp_size, dp_rank, micro = (
@@ -100,7 +106,7 @@ class Trainer:
                 pp_group=self.pgc.pp, config=self.model.config
             )
         return get_forward_backward_func(pp_size=self.pgc.pp.size(), vp_size=None)(
-            forward_step_func=_forward_step,
+            forward_step_func=functools.partial(_forward_step, spec=spec),
             data_iterator=iter(micro_batches),
             model=[self.model],
             num_microbatches=len(micro_batches),
@@ -134,7 +140,9 @@ class Trainer:
                 )
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[Any, Any]:
+def _forward_step(
+    data_iterator: Iterator[dict[str, torch.Tensor]], model: Any, spec: LossSpec
+) -> tuple[Any, Any]:
     batch = next(data_iterator)
     seq = batch["inputs"].shape[1]
     positions = torch.arange(seq).unsqueeze(0).expand_as(batch["inputs"])
@@ -143,9 +151,13 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) 
 
     def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         logprobs = -output.float()
-        mask = batch["mask"]
-        loss = -(batch["weights"] * mask * logprobs).sum() / mask.sum().clamp(min=1.0)
+        mask, extra = batch["mask"], {}
+        if "old_logprobs" in batch:
+            loss, extra = policy_loss(logprobs, batch["old_logprobs"], batch["weights"], mask, spec)
+        else:
+            loss = -(batch["weights"] * mask * logprobs).sum() / mask.sum().clamp(min=1.0)
         # clone: the schedule divides the returned loss in place by the micro-batch count
-        return loss, {"loss": loss.detach().clone(), "logprobs": logprobs.detach().tolist()}
+        report = {"loss": loss.detach().clone(), "logprobs": logprobs.detach().tolist()}
+        return loss, {**report, **{k: v.detach().clone() for k, v in extra.items()}}
 
     return token_loss, loss_fn

@@ -1,0 +1,85 @@
+"""The RL loss math: group-normalised advantages, the distillation term, the PPO-clip loss.
+
+Pure functions of tensors and lists (unit-tested against hand-computed values); the trainer's
+Megatron loss function calls ``policy_loss`` on the per-token logprobs it computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The policy loss's settings, sent from the controller with each train step."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = "token"  # "token": mean over all tokens; "sequence": per sequence first
+
+
+def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
+    """GRPO: each reward minus its group's mean, over the group's standard deviation.
+
+    Groups are consecutive runs of ``group_size`` rewards (the samples of one prompt). A group
+    whose rewards are all equal carries no signal: its advantages are 0.
+    """
+    if len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        mean = sum(group) / group_size
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / group_size)
+        out += [(r - mean) / (std + eps) if std > 0 else 0.0 for r in group]
+    return out
+
+
+def distill_advantages(
+    sample_logprobs: list[float], teacher_logprobs: list[float], coef: float
+) -> list[float]:
+    """Per-token advantage of on-policy distillation: ``coef * (teacher - student)`` logprob.
+
+    A policy-gradient step with it lowers the reverse KL(student || teacher) on the tokens the
+    student sampled.
+    """
+    if len(sample_logprobs) != len(teacher_logprobs):
+        raise ValueError(
+            f"teacher scored {len(teacher_logprobs)} tokens for a {len(sample_logprobs)}-token "
+            "response"
+        )
+    return [coef * (t - s) for s, t in zip(sample_logprobs, teacher_logprobs, strict=True)]
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    spec: LossSpec,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip loss over [batch, tokens]; returns the loss and detached diagnostics.
+
+    ratio = exp(logprob - old); per token ``-min(ratio * A, clip(ratio, 1 - lo, 1 + hi) * A)``;
+    aggregated as the mean over masked tokens ("token") or the mean over sequences of each
+    sequence's token mean ("sequence").
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = torch.clamp(ratio, 1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    if spec.aggregation == "token":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    elif spec.aggregation == "sequence":
+        lengths = mask.sum(-1)
+        per_sequence = (per_token * mask).sum(-1) / lengths.clamp(min=1.0)
+        loss = per_sequence.sum() / (lengths > 0).sum().clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss aggregation {spec.aggregation!r}")
+    tokens = mask.sum().clamp(min=1.0)
+    with torch.no_grad():
+        clip_fraction = (((ratio - clipped).abs() > 1e-12).float() * mask).sum() / tokens
+        approx_kl = ((old_logprobs - logprobs) * mask).sum() / tokens
+    return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}

@@ -1,0 +1,102 @@
+"""What a run shows and leaves behind: a progress line per step, metrics.jsonl, a PNG of the
+curves and a one-screen summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+PLOTS = (("reward", "#1f77b4"), ("reverse_kl", "#d62728"), ("time/step", "#2ca02c"))
+PHASE_KEYS = ("rollout", "teacher", "reward", "train", "sync", "other")
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``{dir}/metrics.jsonl``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        self.path.write_text("")
+
+    def write(self, metrics: dict[str, float]) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(metrics) + "\n")
+
+    @staticmethod
+    def progress(m: dict[str, float], total: int) -> str:
+        done = int(20 * m["step"] / total)
+        bar = "#" * done + "-" * (20 - done)
+        parts = [f"[{bar}] step {int(m['step'])}/{total}", f"reward {m['reward']:.3f}"]
+        parts += [
+            f"{k.split('/')[1]} {v:.3f}"
+            for k, v in m.items()
+            if k.startswith("reward/") and not k.endswith("/failed")
+        ]
+        if "reverse_kl" in m:
+            parts.append(f"rev-KL {m['reverse_kl']:.4f}")
+        parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+        phases = " ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m)
+        return "relax-launch: " + " | ".join(parts) + f" | {phases}"
+
+    def finish(self, history: list[dict[str, float]], log_dir: Path) -> None:
+        plot = plot_curves(history, log_dir / "curves.png")
+        print(summary(history, self.path, plot), flush=True)
+
+
+def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> str:
+    """First vs last rewards (means over the first and last quarter of the steps)."""
+    k = max(1, len(history) // 4)
+
+    def mean(rows: list[dict[str, float]], key: str) -> float:
+        values = [r[key] for r in rows if key in r and not math.isnan(r[key])]
+        return sum(values) / len(values) if values else float("nan")
+
+    lines = [f"relax-launch: finished {len(history)} steps"]
+    for key in ("reward", "reverse_kl", "tokens_per_s", "time/step"):
+        if any(key in r for r in history):
+            lines.append(
+                f"  {key:<14} first {k}: {mean(history[:k], key):9.4f}   "
+                f"last {k}: {mean(history[-k:], key):9.4f}"
+            )
+    share = {p: sum(r.get(f"time/{p}", 0.0) for r in history) for p in PHASE_KEYS}
+    total = sum(r["time/step"] for r in history) or 1.0
+    lines.append("  time share     " + "  ".join(f"{p} {v / total:.0%}" for p, v in share.items()))
+    lines.append(f"  metrics: {metrics_path}   curves: {plot}")
+    return "\n".join(lines)
+
+
+def plot_curves(history: list[dict[str, float]], path: Path) -> Path:
+    """One small panel per curve (reward, reverse KL, step time) against the step."""
+    width, panel = 720, 200
+    shown = [(key, color) for key, color in PLOTS if any(key in r for r in history)]
+    image = Image.new("RGB", (width, panel * max(1, len(shown))), "white")
+    draw = ImageDraw.Draw(image)
+    for row, (key, color) in enumerate(shown):
+        points = [(r["step"], r[key]) for r in history if key in r and not math.isnan(r[key])]
+        top, left, right, bottom = row * panel + 24, 60, width - 20, (row + 1) * panel - 24
+        draw.rectangle([left, top, right, bottom], outline="#999999")
+        draw.text((left, top - 18), key, fill="black")
+        if not points:
+            continue
+        lo, hi = min(v for _, v in points), max(v for _, v in points)
+        hi = hi if hi > lo else lo + 1.0
+        first, last = points[0][0], points[-1][0]
+        span = (last - first) or 1
+        pixels = [
+            (
+                left + (right - left) * (step - first) / span,
+                bottom - (bottom - top) * (value - lo) / (hi - lo),
+            )
+            for step, value in points
+        ]
+        draw.text((4, top), f"{hi:.3g}", fill="black")
+        draw.text((4, bottom - 12), f"{lo:.3g}", fill="black")
+        if len(pixels) > 1:
+            draw.line(pixels, fill=color, width=2)
+        for x, y in pixels:
+            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
+    image.save(path)
+    return path

@@ -1,0 +1,162 @@
+"""Reward sources: built-in checks, user functions (``module:function``) and the GenRM judge.
+
+A function takes a list of ``Sample`` and returns one float per sample; it may be ``async``.
+The reward of a sample is the weighted sum of its sources. A source that raises, returns the
+wrong count or a non-number, or a judge reply without a score does not become a silent zero:
+the source's ``fallback`` value is used if it has one, else the sample is marked invalid (it
+gets no gradient; its group is normalised without it); either way the failure is counted in
+the step's metrics (``reward/NAME/failed``). A step where every sample is invalid stops the job
+with the first error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from relax_launch.rl.config import RewardConfig, RewardSource
+from relax_launch.rl.samples import Sample
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+ANSWER_LINE = re.compile(r"^Answer:\s*\S.*$")
+# The judge is asked to end with "Score: N" (0-10); the reward is N / 10.
+JUDGE_TEMPLATE = (
+    "You are grading an answer.\nQuestion:\n{question}\n\nAnswer:\n{answer}\n\n"
+    "{reference}Rate the answer from 0 (wrong) to 10 (perfect). "
+    "Reply with one line: 'Score: <number>'."
+)
+SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+
+
+class RewardError(RuntimeError):
+    """Every sample of a step lost its reward; the message names the source and the cause."""
+
+
+def exact_numeric(samples: list[Sample]) -> list[float]:
+    """1.0 when the last number in the response equals the label, else 0.0."""
+    out = []
+    for s in samples:
+        numbers = NUMBER.findall(s.text)
+        out.append(
+            float(bool(numbers) and s.label is not None and float(numbers[-1]) == float(s.label))
+        )
+    return out
+
+
+def format_reward(samples: list[Sample]) -> list[float]:
+    """1.0 when the response's last non-empty line reads 'Answer: <something>'."""
+    out = []
+    for s in samples:
+        lines = [line.strip() for line in s.text.strip().splitlines() if line.strip()]
+        out.append(float(bool(lines) and ANSWER_LINE.match(lines[-1]) is not None))
+    return out
+
+
+BUILTINS: dict[str, Callable[[list[Sample]], list[float]]] = {
+    "exact_numeric": exact_numeric,
+    "format": format_reward,
+}
+
+
+def parse_score(reply: str) -> float:
+    """The judge's 'Score: N' as N / 10 (clamped to [0, 1]); ValueError when there is none."""
+    match = SCORE.search(reply)
+    if match is None:
+        raise ValueError(f"no 'Score: N' in the judge's reply {reply[:120]!r}")
+    return min(max(float(match.group(1)) / 10.0, 0.0), 1.0)
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    if spec.startswith("builtin:"):
+        return BUILTINS[spec[8:]]
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward function {spec!r} cannot be loaded: {exc}") from None
+
+
+class Rewards:
+    """Scores samples with every configured source; ``judge(prompts) -> replies`` for GenRM."""
+
+    def __init__(
+        self, config: RewardConfig, judge: Callable[[list[list[dict]]], list[str]] | None = None
+    ) -> None:
+        self.sources = config.sources
+        self.functions = {s.name: load_function(s.function) for s in self.sources if s.function}
+        self.judge = judge
+
+    def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Write ``rewards``/``reward``/``valid`` on each sample; return per-source metrics."""
+        metrics: dict[str, float] = {}
+        first_error = None
+        for source in self.sources:
+            values, error = self._run(source, samples)
+            first_error = first_error or error
+            failed = 0
+            for sample, value in zip(samples, values, strict=True):
+                if value is None:
+                    failed += 1
+                    value = source.fallback
+                if value is None:
+                    sample.valid = False
+                else:
+                    sample.rewards[source.name] = value
+            ok = [v for v in values if v is not None]
+            metrics[f"reward/{source.name}"] = sum(ok) / len(ok) if ok else float("nan")
+            metrics[f"reward/{source.name}/failed"] = failed
+        for sample in samples:
+            if sample.valid:
+                sample.reward = sum(s.weight * sample.rewards[s.name] for s in self.sources)
+        if not any(s.valid for s in samples):
+            raise RewardError(f"no sample of this step has a reward: {first_error}")
+        return metrics
+
+    def _run(
+        self, source: RewardSource, samples: list[Sample]
+    ) -> tuple[list[float | None], str | None]:
+        try:
+            if source.genrm:
+                return self._judge(samples)
+            values = self.functions[source.name](samples)
+            if inspect.isawaitable(values):
+                values = asyncio.run(values)
+            return _checked(source.name, values, len(samples)), None
+        except Exception as exc:  # noqa: BLE001 - a user function's failure is reported, not fatal
+            return [None] * len(
+                samples
+            ), f"reward source {source.name!r} raised {type(exc).__name__}: {exc}"
+
+    def _judge(self, samples: list[Sample]) -> tuple[list[float | None], str | None]:
+        if self.judge is None:
+            raise RewardError("a genrm reward source needs the genrm role")
+        prompts = [[{"role": "user", "content": judge_prompt(s)}] for s in samples]
+        values: list[float | None] = []
+        error = None
+        for reply in self.judge(prompts):
+            try:
+                values.append(parse_score(reply))
+            except ValueError as exc:
+                values.append(None)
+                error = error or f"genrm: {exc}"
+        return values, error
+
+
+def judge_prompt(sample: Sample) -> str:
+    reference = f"Reference answer: {sample.label}\n\n" if sample.label is not None else ""
+    return JUDGE_TEMPLATE.format(question=sample.question, answer=sample.text, reference=reference)
+
+
+def _checked(name: str, values: Any, count: int) -> list[float | None]:
+    if not isinstance(values, list | tuple) or len(values) != count:
+        raise ValueError(f"{name} must return a list of {count} numbers, got {values!r:.80}")
+    out: list[float | None] = []
+    for v in values:
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        out.append(float(v) if ok else None)
+    return out

@@ -1,0 +1,97 @@
+"""Generation, teacher scoring and judging through the gateway (every request concurrent)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from relax_launch.inference.client import AsyncInferenceClient
+from relax_launch.rl.data import Prompt
+from relax_launch.rl.samples import Sample
+
+
+async def _gather(gateway_url: str, role: str, calls: list[tuple[str, dict, str | None]]) -> list:
+    client = AsyncInferenceClient(gateway_url, role, timeout_s=600)
+    try:
+        return await asyncio.gather(
+            *(client.request(path, body, affinity_key=key) for path, body, key in calls)
+        )
+    finally:
+        await client.aclose()
+
+
+def generate(
+    gateway_url: str,
+    prompts: list[tuple[Prompt, list[int]]],
+    *,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+) -> list[Sample]:
+    """``n`` samples per (prompt, prompt token ids), in prompt order; a group shares an engine."""
+    sampling = {"temperature": temperature, "max_new_tokens": max_tokens}
+    calls = [
+        (
+            "/generate",
+            {"input_ids": ids, "return_logprob": True, "sampling_params": sampling},
+            f"g{g}",
+        )
+        for g, (_, ids) in enumerate(prompts)
+        for _ in range(n)
+    ]
+    replies = asyncio.run(_gather(gateway_url, "rollout", calls))
+    samples = []
+    for i, reply in enumerate(replies):
+        prompt, ids = prompts[i // n]
+        meta = reply["meta_info"]
+        samples.append(
+            Sample(
+                group=i // n,
+                question=prompt.messages[-1]["content"],
+                label=prompt.label,
+                prompt_ids=list(ids),
+                response_ids=list(reply["output_ids"]),
+                logprobs=[float(lp) for lp, *_ in meta["output_token_logprobs"]],
+                text=reply["text"],
+                weight_version=str(meta.get("weight_version")),
+                finish_reason=(meta.get("finish_reason") or {}).get("type", ""),
+            )
+        )
+    return samples
+
+
+def score_with_teacher(gateway_url: str, samples: list[Sample]) -> None:
+    """Write the teacher's logprob of every sampled response token onto each sample."""
+    calls = []
+    scored_samples = [s for s in samples if s.response_ids]
+    for s in scored_samples:
+        body = {
+            "input_ids": s.prompt_ids + s.response_ids,
+            "return_logprob": True,
+            # SGLang leaves the first returned position without a logprob: start one early
+            "logprob_start_len": len(s.prompt_ids) - 1,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        }
+        calls.append(("/generate", body, None))
+    replies = asyncio.run(_gather(gateway_url, "teacher", calls)) if calls else []
+    for s in samples:
+        s.teacher_logprobs = []
+    for s, reply in zip(scored_samples, replies, strict=True):
+        scored = [float(lp) for lp, *_ in reply["meta_info"]["input_token_logprobs"][1:]]
+        if len(scored) != len(s.response_ids):
+            raise RuntimeError(
+                f"teacher returned {len(scored)} logprobs for a {len(s.response_ids)}-token "
+                "response; check that teacher and rollout share a tokenizer"
+            )
+        s.teacher_logprobs = scored
+
+
+def judge(
+    gateway_url: str, conversations: list[list[dict[str, Any]]], max_tokens: int
+) -> list[str]:
+    """The GenRM judge's reply to each conversation (the gateway's judge form)."""
+    sampling = {"temperature": 0.0, "max_new_tokens": max_tokens}
+    calls = [
+        ("/generate", {"messages": c, "sampling_params": sampling}, None) for c in conversations
+    ]
+    return [r["response"] for r in asyncio.run(_gather(gateway_url, "genrm", calls))]

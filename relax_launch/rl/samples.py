@@ -1,0 +1,25 @@
+"""Sample: one sampled response and everything the step writes onto it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """A response to one prompt; ``group`` is the prompt's position in the step's batch."""
+
+    group: int
+    question: str
+    label: str | None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # of each response token, from the engine that sampled it
+    text: str
+    weight_version: str
+    finish_reason: str = ""
+    teacher_logprobs: list[float] | None = None  # written back by teacher scoring
+    rewards: dict[str, float] = field(default_factory=dict)
+    reward: float = 0.0
+    valid: bool = True  # False when a reward source failed for it: no gradient
+    advantage: float = 0.0

@@ -1,0 +1,39 @@
+"""A short real RL job through ``relax-launch run``: tiny Llama policy, rollout, teacher and GenRM
+engines; metrics written, weights synced every step, teacher and judge served by the gateway."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+CONFIG = Path(__file__).parent / "three_roles_tiny.yaml"
+
+
+def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
+    cli = Path(sys.executable).with_name("relax-launch")
+    result = subprocess.run(
+        [str(cli), "run", str(CONFIG), f"logging.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # samples of step k come from the weights synced after step k-1 (version 0 = initial sync)
+    assert [s["weight_version"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert {"reward", "reward/answer", "reward/judge", "loss", "grad_norm"} <= set(s)
+        assert s["reward/judge/failed"] == 4  # the random judge writes no score: counted
+        assert "reverse_kl" in s and s["time/step"] > 0
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert "finished 3 steps" in result.stdout
+    gateway = (tmp_path / "gateway_metrics.txt").read_text()
+    for role, requests in (("teacher", 12), ("genrm", 12), ("rollout", 12)):
+        labels = f'role="{role}",endpoint="generate",model="tiny-llama",status="200"'
+        assert f"relax_gateway_requests_total{{{labels}}} {requests}" in gateway, gateway

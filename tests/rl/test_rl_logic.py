@@ -1,0 +1,187 @@
+"""The RL loop's pure parts: loss math against hand-computed values, data, rewards, batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from relax_launch.rl.config import RewardConfig, RewardSource
+from relax_launch.rl.data import PromptStream, load_prompts
+from relax_launch.rl.loop import assign_advantages, to_batch
+from relax_launch.rl.losses import LossSpec, distill_advantages, group_advantages, policy_loss
+from relax_launch.rl.rewards import RewardError, Rewards, parse_score
+from relax_launch.rl.samples import Sample
+
+
+def sample(text="", label=None, group=0, response=(5, 6), logprobs=(-1.0, -2.0)) -> Sample:
+    return Sample(group, "q", label, [1, 2, 3], list(response), list(logprobs), text, "1")
+
+
+def test_group_advantages_by_hand():
+    # group 1: mean 0.5, std 0.5 -> +-1; group 2: all equal -> no signal
+    assert group_advantages([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0], 4) == pytest.approx(
+        [1, -1, 1, -1, 0, 0, 0, 0], abs=1e-5
+    )
+    # mean 2, variance (4 + 1 + 1) / 3 = 2: (0 - 2) / 1.4142 = -1.4142, (3 - 2) / 1.4142 = 0.7071
+    assert group_advantages([0.0, 3.0, 3.0], 3) == pytest.approx(
+        [-1.4142, 0.7071, 0.7071], abs=1e-4
+    )
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages([1.0, 2.0, 3.0], 4)
+
+
+def test_distill_advantages_by_hand():
+    assert distill_advantages([-1.0, -3.0], [-2.0, -1.0], 0.5) == [-0.5, 1.0]
+    with pytest.raises(ValueError, match="teacher scored 1 tokens"):
+        distill_advantages([-1.0, -3.0], [-2.0], 0.5)
+
+
+def test_ppo_clip_loss_by_hand():
+    logprobs = torch.tensor([[0.0, math.log(1.5), math.log(0.5)]])
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    loss, extra = policy_loss(logprobs, old, adv, mask, LossSpec(0.2, 0.2, "token"))
+    # token 1: ratio 1.5, A=1 -> -min(1.5, 1.2) = -1.2; token 2: ratio 0.5, A=-1 ->
+    # -min(-0.5, -0.8) = 0.8; mean over the 2 masked tokens = -0.2
+    assert float(loss) == pytest.approx(-0.2)
+    assert float(extra["clip_fraction"]) == pytest.approx(1.0)
+    # approx KL = mean(old - new) = -(log 1.5 + log 0.5) / 2
+    assert float(extra["approx_kl"]) == pytest.approx(-(math.log(1.5) + math.log(0.5)) / 2)
+
+
+def test_on_policy_gradient_is_advantage_times_score():
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    adv = torch.tensor([[2.0, -1.0]])
+    loss, _ = policy_loss(logprobs, logprobs.detach(), adv, torch.ones(1, 2), LossSpec())
+    loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([-1.0, 0.5])  # -A / tokens
+
+
+def test_sequence_aggregation_weights_sequences_equally():
+    logprobs = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    token, _ = policy_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="token"))
+    sequence, _ = policy_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="sequence"))
+    assert float(token) == pytest.approx(-(3 + 4) / 4)
+    assert float(sequence) == pytest.approx(-(1 + 4) / 2)
+
+
+def test_builtin_tasks_are_deterministic_and_checkable():
+    a, b = load_prompts("builtin:arithmetic", seed=3), load_prompts("builtin:arithmetic", seed=3)
+    assert a == b and len(a) == 1000
+    question = a[0].messages[0]["content"]
+    x, y = (int(v) for v in question.removeprefix("What is ").split("?")[0].split(" + "))
+    assert a[0].label == str(x + y)
+    assert load_prompts("builtin:format", seed=0)[0].label is None
+
+
+def test_prompt_stream_shuffles_per_epoch_and_resumes(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(f'{{"prompt": "q{i}", "label": {i}}}' for i in range(5)) + "\n")
+    prompts = load_prompts(str(path), seed=0)
+    stream = PromptStream(prompts, shuffle=True, seed=1)
+    first = [p.index for p in stream.next_batch(3)]
+    cursor = stream.checkpoint()
+    rest = [p.index for p in stream.next_batch(4)]
+    resumed = PromptStream(prompts, shuffle=True, seed=1)
+    resumed.restore(cursor)
+    assert [p.index for p in resumed.next_batch(4)] == rest
+    assert sorted(first + rest[:2]) == [0, 1, 2, 3, 4]  # an epoch covers every prompt once
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "has no prompts"),
+        ("{bad\n", ":1: not JSON"),
+        ('{"label": 1}\n', ":1: needs a non-empty"),
+    ],
+)
+def test_bad_datasets_are_named(tmp_path, content, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_prompts(str(path), seed=0)
+
+
+def config(*sources) -> RewardConfig:
+    return RewardConfig(sources=tuple(RewardSource(**s) for s in sources))
+
+
+def test_builtin_rewards_and_weights():
+    rewards = Rewards(
+        config(
+            {"name": "answer", "function": "builtin:exact_numeric", "weight": 1.0},
+            {"name": "format", "function": "builtin:format", "weight": 0.5},
+        )
+    )
+    samples = [sample("It is 42.\nAnswer: 42", "42"), sample("41", "42"), sample("Answer: x", "7")]
+    metrics = rewards.score(samples)
+    assert [s.reward for s in samples] == [1.5, 0.0, 0.5]
+    assert metrics["reward/answer"] == pytest.approx(1 / 3)
+    assert metrics["reward/format/failed"] == 0
+
+
+def raising(samples):
+    raise KeyError("label missing")
+
+
+def half_broken(samples):
+    return [1.0, "x"][: len(samples)]
+
+
+async def async_reward(samples):
+    return [0.25 for _ in samples]
+
+
+def test_failing_reward_functions_mark_samples_invalid_and_count_them():
+    module = __name__
+    rewards = Rewards(
+        config(
+            {"name": "ok", "function": f"{module}:async_reward"},
+            {"name": "half", "function": f"{module}:half_broken"},
+        )
+    )
+    samples = [sample(), sample()]
+    metrics = rewards.score(samples)
+    assert [s.valid for s in samples] == [True, False]
+    assert samples[0].reward == 1.25 and metrics["reward/half/failed"] == 1
+    with pytest.raises(RewardError, match="raised KeyError: 'label missing'"):
+        Rewards(config({"name": "bad", "function": f"{module}:raising"})).score([sample()])
+
+
+def test_judge_scores_are_parsed_and_unparseable_replies_counted():
+    replies = iter([["Score: 8", "I think it is fine", "score=15"]])
+    rewards = Rewards(config({"name": "judge", "genrm": True}), judge=lambda prompts: next(replies))
+    samples = [sample("a"), sample("b"), sample("c")]
+    metrics = rewards.score(samples)
+    assert [s.rewards.get("judge") for s in samples] == [0.8, None, 1.0]
+    assert metrics["reward/judge/failed"] == 1 and not samples[1].valid
+    assert parse_score("Final. SCORE: 3.5") == 0.35
+    with_fallback = Rewards(
+        config({"name": "judge", "genrm": True, "fallback": 0.0}), judge=lambda p: ["?"] * len(p)
+    )
+    samples = [sample("a")]
+    assert with_fallback.score(samples)["reward/judge/failed"] == 1
+    assert samples[0].valid and samples[0].reward == 0.0
+    with pytest.raises(ValueError, match="no 'Score: N'"):
+        parse_score("great answer")
+
+
+def test_batch_trains_only_valid_responses_with_their_advantages():
+    samples = [sample(group=0), sample(group=0), sample(group=1), sample(group=1)]
+    for s, r in zip(samples, [1.0, 0.0, 1.0, 1.0], strict=True):
+        s.reward = r
+    samples[3].valid = False
+    samples[2].teacher_logprobs = [-0.5, -2.5]
+    assign_advantages(samples, 2)
+    batch = to_batch(samples, distill_coef=0.1)
+    assert [s.advantage for s in samples] == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+    assert batch.loss_mask[0] == (0.0, 0.0, 0.0, 1.0, 1.0)
+    assert batch.loss_mask[3] == (0.0,) * 5  # invalid: no gradient
+    assert batch.token_weights[2][3:] == pytest.approx((0.05, -0.05))  # 0.1 * (teacher - own)
+    assert batch.old_logprobs[0] == (0.0, 0.0, 0.0, -1.0, -2.0)
