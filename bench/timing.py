@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls of ``fn``."""
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

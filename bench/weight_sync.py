@@ -1,11 +1,14 @@
 """Benchmark: trainer -> SGLang weight sync of SmolLM2-135M (about 538 MB fp32), 1 and 2 engines.
 
 Compares, in one run, over the same kind of gloo group on this machine:
-  ours       relax-launch's WeightSender: flattened fixed-size buckets + versioned session
+  ours       relax-launch's WeightSender: fixed-size buckets (one engine request each, one
+             broadcast per tensor) + versioned session + host copy kept for rollback
   ceiling    one flat buffer of the same bytes broadcast raw to plain receiver processes
-  per-tensor SGLang's update_weights_from_distributed, one broadcast per tensor
+  per-tensor SGLang's update_weights_from_distributed: one request, one broadcast per tensor
   disk       save safetensors, then update_weights_from_disk on every engine
-and prints GB/s and ratios. Run: ``.venv/bin/python bench/weight_sync.py [--engines 1 2]``.
+and prints GB/s and ratios. Each method runs WARMUP times untimed first: weight sync repeats
+every training step, so the steady state is what counts (ours allocates its rollback copy in
+its first two syncs). Run: ``.venv/bin/python bench/weight_sync.py [--engines 1 2]``.
 """
 
 from __future__ import annotations
@@ -24,19 +27,20 @@ from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
 from relax_launch.weights.config import WeightSyncConfig
 from relax_launch.weights.engine_client import Background, post
-from relax_launch.weights.sync import DTYPE_NAMES, EngineTarget, WeightSender, custom_group
+from relax_launch.weights.sync import EngineTarget, WeightSender, custom_group, dtype_name
 
 REPEATS = 3
+WARMUP = 2
 
 
 def timed(fn) -> float:
-    return median_seconds(fn, REPEATS)
+    return median_seconds(fn, REPEATS, WARMUP)
 
 
 def _receiver(port: int, rank: int, world: int, nbytes: int) -> None:
     group = _sender_group_as(rank, port, world)
     buffer = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(REPEATS + 1):
+    for _ in range(WARMUP + REPEATS):
         dist.broadcast(buffer, group=group, group_src=0)
     dist.destroy_process_group(group)
 
@@ -56,7 +60,6 @@ def ceiling(nbytes: int, receivers: int) -> float:
         p.start()
     group = _sender_group_as(0, port, receivers + 1)
     buffer = torch.ones(nbytes, dtype=torch.uint8)
-    dist.broadcast(buffer, group=group, group_src=0)  # warm-up
     seconds = timed(lambda: dist.broadcast(buffer, group=group, group_src=0))
     for p in procs:
         p.join(60)
@@ -67,7 +70,7 @@ def ceiling(nbytes: int, receivers: int) -> float:
 def per_tensor(sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
     body = {
         "names": list(weights),
-        "dtypes": [DTYPE_NAMES[t.dtype] for t in weights.values()],
+        "dtypes": [dtype_name(t.dtype) for t in weights.values()],
         "shapes": [list(t.shape) for t in weights.values()],
         "group_name": sender.group_name,
         "flush_cache": False,
@@ -138,7 +141,7 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
             s.stop()
     results["ceiling"] = ceiling(nbytes, engines)
     gb = nbytes / 1e9
-    print(f"\n{engines} engine(s), {gb:.3f} GB, median of {REPEATS}:")
+    print(f"\n{engines} engine(s), {gb:.3f} GB, median of {REPEATS} after {WARMUP} warm-up:")
     for name, seconds in results.items():
         print(
             f"  {name:<11} {seconds:6.3f} s  {gb / seconds:5.2f} GB/s  "

@@ -48,9 +48,7 @@ def ensure_model(ref: str) -> Path:
             staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
             staging.chmod(0o755)
             try:
-                {"tiny-llama": build_tiny_llama, "smollm2-135m-instruct": build_smollm2}[name](
-                    staging
-                )
+                BUILDERS[name](staging)
                 staging.rename(path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -127,6 +125,28 @@ def build_smollm2(out: Path) -> None:
     _require_architectures(out, "LlamaForCausalLM")
 
 
+def build_smollm2_student(out: Path) -> None:
+    """SmolLM2 cut to its first 4 layers (embeddings, norm and tokenizer kept): a student that
+    shares the teacher's tokenizer and starts far from it."""
+    from safetensors.torch import load_file, save_file
+
+    teacher = ensure_model("builtin:smollm2-135m-instruct")
+    layers = BUILTIN_MODELS["smollm2-student"].num_layers
+    keep = {f"model.layers.{i}." for i in range(layers)}
+    state = {
+        k: v
+        for k, v in load_file(str(teacher / "model.safetensors")).items()
+        if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in teacher.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def _require_architectures(out: Path, architecture: str) -> None:
     """Keep config.json loadable by SGLang: it needs 'architectures' and no GGUF quantization."""
     path = out / "config.json"
@@ -134,3 +154,10 @@ def _require_architectures(out: Path, architecture: str) -> None:
     config.pop("quantization_config", None)
     config["architectures"] = [architecture]
     path.write_text(json.dumps(config, indent=2))
+
+
+BUILDERS = {
+    "tiny-llama": build_tiny_llama,
+    "smollm2-135m-instruct": build_smollm2,
+    "smollm2-student": build_smollm2_student,
+}

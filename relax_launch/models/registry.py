@@ -34,6 +34,14 @@ BUILTIN_MODELS = {
         num_key_value_heads=3,
         vocab_size=49152,
     ),
+    # The first 4 of SmolLM2's 30 layers with its embeddings and tokenizer: a distillation student.
+    "smollm2-student": ModelFacts(
+        num_layers=4,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    ),
     "tiny-llama": ModelFacts(
         num_layers=2,
         hidden_size=64,

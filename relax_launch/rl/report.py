@@ -9,21 +9,26 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from relax_launch.rl.tensorboard import EventWriter
+
 PLOTS = (("reward", "#1f77b4"), ("reverse_kl", "#d62728"), ("time/step", "#2ca02c"))
 PHASE_KEYS = ("rollout", "teacher", "reward", "train", "sync", "other")
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``{dir}/metrics.jsonl``."""
+    """Appends one JSON object per step to ``{dir}/metrics.jsonl`` (and TensorBoard scalars)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, tensorboard: bool = False) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
         self.path.write_text("")
+        self.events = EventWriter(log_dir) if tensorboard else None
 
     def write(self, metrics: dict[str, float]) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(metrics) + "\n")
+        if self.events is not None:
+            self.events.add(int(metrics["step"]), metrics)
 
     @staticmethod
     def progress(m: dict[str, float], total: int) -> str:

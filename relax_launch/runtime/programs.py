@@ -42,7 +42,7 @@ def rl_program(job: JobConfig) -> Any:
             ),
             tokenizer=AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model()))),
             rewards=Rewards(job.reward, judge=judge),
-            log=MetricsLog(log_dir),
+            log=MetricsLog(log_dir, tensorboard=job.logging.tensorboard),
             has_teacher=job.teacher is not None,
         )
         return run(context, job.algorithm.num_steps, log_dir)

@@ -11,7 +11,7 @@ class WeightSyncConfig(Section):
     """How trained weights reach the rollout engines."""
 
     bucket_size_mb: int = Field(
-        64, ge=1, description="Size of one flattened broadcast bucket, MiB."
+        512, ge=1, description="Most bytes one engine request of a sync carries, MiB."
     )
     timeout_s: float = Field(
         300.0,

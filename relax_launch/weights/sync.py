@@ -2,18 +2,26 @@
 
 One sender per pipeline stage. It rendezvouses a process group with every rollout engine worker
 (SGLang's ``init_weights_update_group``; the sender is rank 0), then each sync opens an update
-session on every engine, broadcasts fixed-size flattened buckets (one dtype per bucket, as
-SGLang's ``flattened_bucket`` format requires aligned offsets), sets ``weight_version`` and closes
-the session. SGLang applies a bucket as it arrives, so all-or-nothing is made here: the sender
-keeps the packed buckets of the last committed sync and, if a sync fails midway, sends them
-again. Bucket k+1 is packed on a thread while bucket k is broadcast.
+session on every engine, sends the tensors in fixed-size buckets (one
+``update_weights_from_distributed`` request per bucket, one broadcast per tensor, straight from
+the exported tensor), sets ``weight_version`` and closes the session.
+
+Per-tensor broadcasts rather than SGLang's ``flattened_bucket`` format: the engine allocates its
+receive buffers anew for every request, and a flat buffer over 32 MiB is a fresh mapping whose
+every page faults (on a new CPU engine, every page of every sync), while tensor-sized buffers
+come back warm from the allocator's heap; the broadcast needs no packing copy first, and a
+bucket may mix dtypes. Fewer, larger buckets save the engine's fixed cost per request.
+
+SGLang applies a bucket as it arrives, so all-or-nothing is made here: the sender keeps a host
+copy of the last committed sync and, if a sync fails midway, sends it again. Bucket k is copied
+while the engines load it, when the sender would otherwise wait, into the buffers of the copy
+before the last (so after two syncs a copy allocates nothing).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -22,7 +30,10 @@ import torch.distributed as dist
 
 from relax_launch.weights.engine_client import Background, EngineRequestError, post
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name SGLang resolves with ``getattr(torch, name)``: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 class WeightSyncError(RuntimeError):
@@ -40,9 +51,19 @@ class EngineTarget:
 
 @dataclass
 class Bucket:
+    """Tensors sent by one engine request, in order."""
+
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+
+    def metadata(self) -> dict:
+        """The request fields that let an engine allocate and name the bucket's tensors."""
+        return {
+            "names": self.names,
+            "dtypes": [dtype_name(t.dtype) for t in self.tensors],
+            "shapes": [list(t.shape) for t in self.tensors],
+        }
 
 
 @dataclass(frozen=True)
@@ -54,32 +75,34 @@ class SyncReport:
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group tensors, in order, into buckets of at most ``bucket_bytes`` and a single dtype."""
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor travels
+    alone); dtypes may mix, as each tensor is its own broadcast."""
     current = Bucket()
     for name, tensor in named:
         size = tensor.numel() * tensor.element_size()
-        if current.names and (
-            current.nbytes + size > bucket_bytes or tensor.dtype != current.tensors[0].dtype
-        ):
+        if current.names and current.nbytes + size > bucket_bytes:
             yield current
             current = Bucket()
         current.names.append(name)
-        current.tensors.append(tensor)
+        current.tensors.append(tensor.contiguous())  # a broadcast needs dense memory
         current.nbytes += size
     if current.names:
         yield current
 
 
-def flatten(bucket: Bucket, buffer: torch.Tensor) -> torch.Tensor:
-    """The bucket's bytes back to back in ``buffer`` (grown if needed); returns the used slice."""
-    if buffer.numel() < bucket.nbytes:
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-    offset = 0
+def copy_bucket(bucket: Bucket, spare: Iterator[torch.Tensor]) -> Bucket:
+    """A host copy of ``bucket`` that outlives the trainer's next step.
+
+    Each tensor lands in the next ``spare`` tensor when shape and dtype match (the export order
+    is the same every sync), else in a new one.
+    """
+    copies = []
     for tensor in bucket.tensors:
-        size = tensor.numel() * tensor.element_size()
-        buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        offset += size
-    return buffer[: bucket.nbytes]
+        target = next(spare, None)
+        if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
+            target = torch.empty(tensor.shape, dtype=tensor.dtype)
+        copies.append(target.copy_(tensor))
+    return Bucket(bucket.names, copies, bucket.nbytes)
 
 
 class WeightSender:
@@ -101,9 +124,10 @@ class WeightSender:
         self.host, self.port, self.backend = host, port, backend
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: dist.ProcessGroup | None = None
-        self.committed: list[tuple[dict, torch.Tensor]] = []  # (bucket metadata, flat bytes)
+        self.committed: list[Bucket] = []  # host copy of the last committed sync
         self.committed_version = 0
-        self.spare: list[torch.Tensor] = []
+        self.spare: list[torch.Tensor] = []  # the copy before it: the next copy's buffers
+        self.device = torch.device("cpu")  # where exported tensors live: a rollback sends there
 
     def connect(self) -> None:
         """Form the broadcast group with every engine worker (the engines join over HTTP)."""
@@ -126,109 +150,73 @@ class WeightSender:
         self.group = custom_group(
             self.backend, self.host, self.port, self.world_size, 0, self.group_name, self.timeout_s
         )
-        for target, call in zip(self.targets, calls, strict=True):
-            _checked(
-                target, "joining the weight-sync group", lambda c=call: c.result(self.timeout_s)
-            )
+        self._await(calls, "joining the weight-sync group")
 
     def sync(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> SyncReport:
         """Send every tensor and commit ``weight_version``; on failure restore the last commit."""
         start = time.monotonic()
         tensors = iter(named)
         try:
-            packed = self._send_all(self._pack_ahead(tensors), weight_version)
+            copy = self._send_all(
+                buckets(tensors, self.bucket_bytes), weight_version, iter(self.spare)
+            )
         except (EngineRequestError, RuntimeError) as exc:
             for _ in tensors:  # finish the export: the other TP ranks are still gathering
                 pass
             self._rollback(exc, weight_version)
-        # The packed buckets are the snapshot a later failed sync restores; the old snapshot's
-        # buffers become the next sync's packing space (no copy beyond the packing itself).
-        self.spare = [flat for _, flat in self.committed]
-        self.committed, self.committed_version = packed, weight_version
+        self.spare = [t for bucket in self.committed for t in bucket.tensors]
+        self.committed, self.committed_version = copy, weight_version
         return SyncReport(
             weight_version,
-            sum(len(m["names"]) for m, _ in packed),
-            sum(flat.numel() for _, flat in packed),
+            sum(len(b.names) for b in copy),
+            sum(b.nbytes for b in copy),
             time.monotonic() - start,
         )
 
-    def _pack_ahead(
-        self, named: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[dict, torch.Tensor]]:
-        """(metadata, flat bytes) per bucket; bucket k+1 is packed while bucket k is sent.
-
-        Tensors are pulled from ``named`` on this thread (it may run TP collectives); only the
-        byte copies run on the packer thread.
-        """
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-pack") as packer:
-            pending = None
-            for index, bucket in enumerate(buckets(named, self.bucket_bytes)):
-                future = packer.submit(self._pack, bucket, index)
-                if pending is not None:
-                    yield pending.result()
-                pending = future
-            if pending is not None:
-                yield pending.result()
-
-    def _pack(self, bucket: Bucket, index: int) -> tuple[dict, torch.Tensor]:
-        buffer = self.spare[index] if index < len(self.spare) else torch.empty(0, dtype=torch.uint8)
-        meta = {
-            "names": bucket.names,
-            "dtypes": [DTYPE_NAMES[t.dtype] for t in bucket.tensors],
-            "shapes": [list(t.shape) for t in bucket.tensors],
-        }
-        return meta, flatten(bucket, buffer)
-
     def _send_all(
-        self, packed: Iterable[tuple[dict, torch.Tensor]], version: int
-    ) -> list[tuple[dict, torch.Tensor]]:
-        for target in self.targets:
-            _checked(
-                target,
-                "opening an update session",
-                lambda t=target: post(t.url, "/begin_weight_update", {}, self.timeout_s),
-            )
-        sent = []
+        self, outgoing: Iterable[Bucket], version: int, spare: Iterator[torch.Tensor] | None
+    ) -> list[Bucket]:
+        """Send ``outgoing`` in one update session per engine and commit ``version``; with
+        ``spare`` (a new sync, not a rollback), return a host copy of what was sent."""
+        self._on_every_engine("opening an update session", "/begin_weight_update", {})
+        copy = []
         try:
-            for meta, flat in packed:
-                self._send_bucket(meta, flat)
-                sent.append((meta, flat))
+            for bucket in outgoing:
+                calls = self._send_bucket(bucket)
+                if spare is not None:  # copied while the engines load it
+                    self.device = bucket.tensors[0].device
+                    copy.append(copy_bucket(bucket, spare))
+                self._await(calls, f"loading a bucket of {len(bucket.names)} tensors")
             body = {"new_version": str(version), "abort_all_requests": False}
-            for target in self.targets:
-                _checked(
-                    target,
-                    "setting weight_version",
-                    lambda t=target: post(t.url, "/update_weight_version", body, self.timeout_s),
-                )
+            self._on_every_engine("setting weight_version", "/update_weight_version", body)
         finally:
-            for target in self.targets:
-                post(target.url, "/end_weight_update", {}, self.timeout_s)
-        return sent
+            self._on_every_engine("closing the update session", "/end_weight_update", {})
+        return copy
 
-    def _send_bucket(self, meta: dict, flat: torch.Tensor) -> None:
-        body = {
-            **meta,
-            "group_name": self.group_name,
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-        }
+    def _send_bucket(self, bucket: Bucket) -> list[Background]:
+        """Ask every engine to load ``bucket`` and broadcast its tensors; returns the requests."""
+        body = {**bucket.metadata(), "group_name": self.group_name, "flush_cache": False}
         calls = [
             Background(t.url, "/update_weights_from_distributed", body, self.timeout_s)
             for t in self.targets
         ]
-        dist.broadcast(flat, group=self.group, group_src=0)
+        for tensor in bucket.tensors:
+            dist.broadcast(tensor, group=self.group, group_src=0)
+        return calls
+
+    def _on_every_engine(self, what: str, path: str, body: dict) -> None:
+        calls = [Background(t.url, path, body, self.timeout_s) for t in self.targets]
+        self._await(calls, what)
+
+    def _await(self, calls: list[Background], what: str) -> None:
         for target, call in zip(self.targets, calls, strict=True):
-            _checked(
-                target,
-                f"loading a bucket of {len(meta['names'])} tensors",
-                lambda c=call: c.result(self.timeout_s),
-            )
+            _checked(target, what, lambda c=call: c.result(self.timeout_s))
 
     def _rollback(self, cause: Exception, version: int) -> None:
         if not self.committed:
             raise WeightSyncError(f"weight sync to version {version} failed: {cause}") from cause
         try:
-            self._send_all(self.committed, self.committed_version)
+            self._send_all(self._restoring(), self.committed_version, None)
         except (EngineRequestError, RuntimeError) as again:
             raise WeightSyncError(
                 f"weight sync to version {version} failed ({cause}) and restoring version "
@@ -238,6 +226,11 @@ class WeightSender:
             f"weight sync to version {version} failed ({cause}); engines restored to version "
             f"{self.committed_version}"
         ) from cause
+
+    def _restoring(self) -> Iterator[Bucket]:
+        """The committed copy, bucket by bucket, back on the device the trainer exports from."""
+        for bucket in self.committed:
+            yield Bucket(bucket.names, [t.to(self.device) for t in bucket.tensors], bucket.nbytes)
 
     def close(self) -> None:
         if self.group is None:

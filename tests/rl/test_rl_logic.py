@@ -185,3 +185,25 @@ def test_batch_trains_only_valid_responses_with_their_advantages():
     assert batch.loss_mask[3] == (0.0,) * 5  # invalid: no gradient
     assert batch.token_weights[2][3:] == pytest.approx((0.05, -0.05))  # 0.1 * (teacher - own)
     assert batch.old_logprobs[0] == (0.0, 0.0, 0.0, -1.0, -2.0)
+
+
+def test_tensorboard_records_are_valid_tfrecords(tmp_path):
+    import struct
+
+    from relax_launch.rl.report import MetricsLog
+    from relax_launch.rl.tensorboard import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"step": 3, "reward": 0.5, "time/step": float("nan")})
+    data = log.events.path.read_bytes()
+    records, offset = [], 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        records.append(data[offset + 12 : offset + 12 + length])
+        offset += 12 + length + 4
+    assert offset == len(data) and len(records) == 2
+    assert b"brain.Event:2" in records[0]
+    scalar = records[1]
+    assert scalar[9:11] == b"\x10\x03"  # step 3 after the 9-byte wall time
+    assert b"reward" in scalar and struct.pack("<f", 0.5) in scalar and b"time/step" not in scalar
