@@ -8,12 +8,17 @@ gets SIGTERM if the rank that started it dies, and never sees torchrun's environ
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+PROBE = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
 class ProcessStartError(RuntimeError):
@@ -21,7 +26,8 @@ class ProcessStartError(RuntimeError):
 
 
 class OwnedProcess:
-    """Subclasses give ``command()``, ``url`` and ``probe()`` (raises OSError until ready)."""
+    """A generation server: subclasses give ``command()`` and ``url``; it is ready once it has
+    generated one real token."""
 
     def __init__(self, *, log_path: str | Path, what: str) -> None:
         self.log_path, self.what = Path(log_path), what
@@ -33,7 +39,17 @@ class OwnedProcess:
         raise NotImplementedError
 
     def probe(self, timeout_s: float) -> None:
-        raise NotImplementedError
+        """Raises (OSError) until the server generates a token."""
+        self.post("/generate", PROBE, timeout_s)
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return base

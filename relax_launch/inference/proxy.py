@@ -53,14 +53,8 @@ class Upstream:
                 data = await r.read()
                 status, content_type = r.status, r.headers.get("content-type", "application/json")
                 returned = [(k, r.headers[k]) for k in RETURNED_RESPONSE_HEADERS if k in r.headers]
-        except TimeoutError:
-            raise HttpError(
-                504, f"upstream {url} did not answer within {self.timeout_s:.0f} s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise HttpError(
-                502, f"upstream {url} unavailable: {type(exc).__name__}: {exc}"
-            ) from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise self._error(exc, url) from None
         await send_bytes(send, status, data, content_type, returned)
         return status
 
@@ -73,14 +67,8 @@ class Upstream:
             response = await asyncio.wait_for(
                 self.session.post(url, data=body, headers=headers, timeout=timeout), self.timeout_s
             )
-        except TimeoutError:
-            raise HttpError(
-                504, f"upstream {url} did not answer within {self.timeout_s:.0f} s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise HttpError(
-                502, f"upstream {url} unavailable: {type(exc).__name__}: {exc}"
-            ) from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise self._error(exc, url) from None
         try:
             if response.status != 200:
                 data = await response.read()
@@ -91,6 +79,11 @@ class Upstream:
             return 200
         finally:
             response.close()  # exactly once, whatever ended the stream
+
+    def _error(self, exc: Exception, url: str) -> HttpError:
+        if isinstance(exc, TimeoutError):
+            return HttpError(504, f"upstream {url} did not answer within {self.timeout_s:.0f} s")
+        return HttpError(502, f"upstream {url} unavailable: {type(exc).__name__}: {exc}")
 
     async def _pipe(
         self, send: Send, receive: Receive, response: aiohttp.ClientResponse, url: str

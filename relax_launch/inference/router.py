@@ -6,9 +6,7 @@ answers a real generation through one of its workers.
 
 from __future__ import annotations
 
-import json
 import sys
-import urllib.request
 from pathlib import Path
 
 from relax_launch.inference.process import OwnedProcess
@@ -42,13 +40,3 @@ class SGLangRouter(OwnedProcess):
             "--worker-urls",
             *self.worker_urls,
         ]
-
-    def probe(self, timeout_s: float) -> None:
-        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        request = urllib.request.Request(
-            self.url + "/generate",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            json.loads(response.read())

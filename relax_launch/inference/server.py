@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -76,20 +75,3 @@ class SGLangServer(OwnedProcess):
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return platform.sglang_env(self.device, base=base)
-
-    def probe(self, timeout_s: float) -> None:
-        self.generate_one_token(timeout_s)
-
-    def generate_one_token(self, timeout_s: float) -> dict[str, Any]:
-        """A real one-token generation: the readiness probe."""
-        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        return self.post("/generate", body, timeout_s)
-
-    def post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
-        request = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
