@@ -20,15 +20,17 @@ config = JobConfig(
     name="quickstart-cpu",
     cluster=ClusterConfig(nnodes=1, nproc_per_node=4, device="cpu"),
     placement=PlacementConfig(mode="decoupled"),
-    trainer=TrainerConfig(model=SMOLLM2, ranks=2, dtype="float32", lr=1e-6, micro_batch_size=2),
+    trainer=TrainerConfig(model=SMOLLM2, ranks=2, dtype="float32", lr=1e-5, micro_batch_size=4),
     rollout=RolloutConfig(ranks=1, engine=ENGINE),
     teacher=TeacherConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
-    algorithm=AlgorithmConfig(num_steps=8, n_samples_per_prompt=4, distill_coef=0.01),
+    algorithm=AlgorithmConfig(
+        num_steps=12, n_samples_per_prompt=4, temperature=0.7, distill_coef=0.01
+    ),
     data=DataConfig(
         dataset="builtin:arithmetic",
         prompts_per_step=4,
         max_prompt_tokens=128,
-        max_response_tokens=64,
+        max_response_tokens=16,
     ),
     reward=RewardConfig(sources=(RewardSource(name="answer", function="builtin:exact_numeric"),)),
 )

@@ -74,4 +74,10 @@ class SGLangServer(OwnedProcess):
         ]
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
-        return platform.sglang_env(self.device, base=base)
+        # Logprobs of the model itself, not of the temperature-scaled sampling distribution: the
+        # trainer and the teacher score tokens that way, so PPO ratios and KLs compare like with
+        # like at any sampling temperature.
+        return {
+            **platform.sglang_env(self.device, base=base),
+            "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+        }

@@ -31,6 +31,9 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
         assert {"reward", "reward/answer", "reward/judge", "loss", "grad_norm"} <= set(s)
         assert s["reward/judge/failed"] == 4  # the random judge writes no score: counted
         assert "reverse_kl" in s and s["time/step"] > 0
+    # Teacher = initial policy: at step 1 the engines' logprobs (raw, not temperature-scaled,
+    # though sampling used 0.7) equal the teacher's, so the reverse KL starts at zero.
+    assert abs(steps[0]["reverse_kl"]) < 1e-3
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert "finished 3 steps" in result.stdout
     gateway = (tmp_path / "gateway_metrics.txt").read_text()
