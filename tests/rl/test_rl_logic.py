@@ -207,3 +207,40 @@ def test_tensorboard_records_are_valid_tfrecords(tmp_path):
     scalar = records[1]
     assert scalar[9:11] == b"\x10\x03"  # step 3 after the 9-byte wall time
     assert b"reward" in scalar and struct.pack("<f", 0.5) in scalar and b"time/step" not in scalar
+
+
+class WordTokenizer:
+    """One token per word (stands in for a chat tokenizer in this unit test)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return " ".join(m["content"] for m in messages)
+
+    def encode(self, text, add_special_tokens):
+        return list(range(len(text.split())))
+
+
+def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
+    from relax_launch.config import DataConfig
+    from relax_launch.rl.loop import RLContext, next_prompts
+
+    path = tmp_path / "d.jsonl"
+    rows = ['{"prompt": "short one"}', '{"prompt": "' + "long " * 50 + '"}', '{"prompt": "ok too"}']
+    path.write_text("\n".join(rows) + "\n")
+    data = DataConfig(dataset=str(path), prompts_per_step=2, max_prompt_tokens=8, shuffle=False)
+    ctx = RLContext(
+        session=None,
+        algorithm=None,
+        data=data,
+        prompts=PromptStream(load_prompts(str(path), 0), shuffle=False, seed=0),
+        tokenizer=WordTokenizer(),
+        rewards=None,
+        log=None,
+        has_teacher=False,
+    )
+    chosen = next_prompts(ctx)
+    assert [p.index for p, _ in chosen] == [0, 2] and ctx.skipped_prompts == 1
+    only_long = tmp_path / "long.jsonl"
+    only_long.write_text(rows[1] + "\n")
+    ctx.prompts = PromptStream(load_prompts(str(only_long), 0), shuffle=False, seed=0)
+    with pytest.raises(RuntimeError, match="max_prompt_tokens=8"):
+        next_prompts(ctx)
