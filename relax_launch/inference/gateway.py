@@ -194,6 +194,8 @@ class InferenceGateway:
             raise HttpError(400, f"/{role}/generate takes messages only on the genrm role")
         self._route(role, payload, scope)  # refuse before rendering when not ready
         kwargs = payload.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise HttpError(400, "chat_template_kwargs must be an object")
         try:
             prompt = await asyncio.wait_for(
                 asyncio.to_thread(render, payload["messages"], kwargs),
@@ -201,6 +203,10 @@ class InferenceGateway:
             )
         except TimeoutError:
             raise HttpError(504, "rendering the judge prompt passed the request deadline") from None
+        except Exception as exc:  # noqa: BLE001 - a template that cannot take these messages
+            raise HttpError(
+                400, f"the judge's chat template rejected the messages: {exc}"
+            ) from None
         target = self._route(role, payload, scope)  # the model may have gone to sleep meanwhile
         sampling = {**JUDGE_SAMPLING, **(payload.get("sampling_params") or {})}
         body = orjson.dumps({"text": prompt, "sampling_params": sampling})
@@ -211,7 +217,12 @@ class InferenceGateway:
         if status != 200:
             await send_bytes(send, status, reply.body, "application/json")
             return status, target.model_id
-        text = orjson.loads(reply.body)["text"]
+        try:
+            text = orjson.loads(reply.body)["text"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise HttpError(
+                502, f"the judge engine's reply has no text: {reply.body[:200]!r}"
+            ) from None
         await send_json(send, 200, {"response": text.strip()})
         return 200, target.model_id
 

@@ -283,6 +283,21 @@ def test_genrm_judge_form_renders_and_answers_legacy_shape(upstream):
     assert unknown.status_code == 400 and len(upstream.requests) == 1
 
 
+def test_genrm_judge_form_refuses_bad_template_input_before_the_engine(upstream):
+    def render(messages, kwargs):
+        raise ValueError("unknown role layout")
+
+    with serve({"genrm": judge_manager(upstream)}, renderers={"genrm": render}) as url:
+        messages = [{"role": "user", "content": "x"}]
+        bad_kwargs = httpx.post(
+            f"{url}/genrm/generate", json={"messages": messages, "chat_template_kwargs": [1]}
+        )
+        rejected = httpx.post(f"{url}/genrm/generate", json={"messages": messages})
+    assert bad_kwargs.status_code == 400 and "chat_template_kwargs" in bad_kwargs.text
+    assert rejected.status_code == 400 and "unknown role layout" in rejected.text
+    assert upstream.requests == []
+
+
 def test_genrm_rechecks_state_after_rendering(upstream):
     manager = judge_manager(upstream)
 
