@@ -1,5 +1,6 @@
 """Start a job's torchrun on this machine and, if it fails, say which rank and role failed.
 
+Every line a rank prints is prefixed with its rank and roles (``[rank 2 rollout[e0 head]]``).
 torchrun reports the first failed worker by rank and exit code; the plan maps that rank to its
 roles, so the user reads e.g. ``rank 2 (rollout[e0 head]) was killed by SIGKILL``.
 """
@@ -20,14 +21,20 @@ from relax_launch.placement.render import roles_label
 
 REPO_LAUNCH = Path(__file__).resolve().parents[2] / "launch.py"
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+_TEE_PREFIX = re.compile(r"^\[default(\d+)\]:")  # torchrun --tee: [<role><local rank>]:
 
 
 def torchrun_command(
-    script: Path, args: list[str], plan: PlacementPlan, master_port: int | None = None
+    script: Path,
+    args: list[str],
+    plan: PlacementPlan,
+    master_port: int | None = None,
+    tee: bool = False,
 ) -> list[str]:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     return [
         torchrun,
+        *(["--tee", "3"] if tee else []),  # each worker's lines, prefixed with its local rank
         "--nnodes",
         "1",
         "--nproc-per-node",
@@ -52,21 +59,31 @@ def explain_failure(plan: PlacementPlan, output: str) -> str | None:
     return f"rank {rank} ({roles}) {how}"
 
 
+def label_line(line: str, labels: dict[int, str]) -> str:
+    """``[default2]:text`` -> ``[rank 2 rollout[e0 head]] text`` (one machine: local = global)."""
+    match = _TEE_PREFIX.match(line)
+    if match is None:
+        return line
+    rank = int(match.group(1))
+    return f"[rank {rank} {labels.get(rank, '?')}] {line[match.end() :]}"
+
+
 def run_local(
     script: Path, args: list[str], plan: PlacementPlan, timeout_s: float | None = None
 ) -> int:
     """Run torchrun in the foreground, echo its output, and explain a failure on stderr."""
     process = subprocess.Popen(
-        torchrun_command(script, args, plan),
+        torchrun_command(script, args, plan, tee=True),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
     tail: collections.deque[str] = collections.deque(maxlen=400)
+    labels = {r.rank: roles_label(r) for r in plan.ranks}
     try:
         for line in process.stdout:
-            sys.stdout.write(line)
+            sys.stdout.write(label_line(line, labels))
             tail.append(line)
         code = process.wait(timeout=timeout_s)
     finally:

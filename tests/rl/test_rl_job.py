@@ -36,6 +36,8 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
     assert abs(steps[0]["reverse_kl"]) < 1e-3
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert "finished 3 steps" in result.stdout
+    # every rank's lines carry its rank and roles
+    assert "[rank 0 trainer[tp0 pp0 dp0]] relax-launch: [" in result.stdout
     gateway = (tmp_path / "gateway_metrics.txt").read_text()
     for role, requests in (("teacher", 12), ("genrm", 12), ("rollout", 12)):
         labels = f'role="{role}",endpoint="generate",model="tiny-llama",status="200"'

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from relax_launch.config import build_config
 from relax_launch.placement import plan
-from relax_launch.runtime.launcher import explain_failure
+from relax_launch.placement.render import roles_label
+from relax_launch.runtime.launcher import explain_failure, label_line
 
 SUMMARY = """
 Root Cause (first observed failure):
@@ -41,3 +42,9 @@ def test_exit_code_names_rank_and_role():
 
 def test_no_summary_no_explanation():
     assert explain_failure(quickstart_plan(), "all good") is None
+
+
+def test_rank_lines_are_labelled_with_rank_and_roles():
+    labels = {r.rank: roles_label(r) for r in quickstart_plan().ranks}
+    assert label_line("[default2]:engine up\n", labels) == "[rank 2 rollout[e0 head]] engine up\n"
+    assert label_line("torchrun: summary\n", labels) == "torchrun: summary\n"
