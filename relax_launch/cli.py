@@ -18,11 +18,15 @@ from relax_launch.placement.render import table, write_picture
 
 
 def _load_and_plan(
-    config_path: str, overrides: tuple[str, ...], nnodes: int | None, nproc: int | None
+    config_path: str,
+    overrides: tuple[str, ...],
+    nnodes: int | None,
+    nproc: int | None,
+    require_models: bool = False,
 ) -> tuple[JobConfig, PlacementPlan, list[str]]:
     job = load_config(config_path, overrides)
     placement = plan(job, nnodes=nnodes, nproc_per_node=nproc)
-    return job, placement, preflight(job, placement, require_models=False)
+    return job, placement, preflight(job, placement, require_models=require_models)
 
 
 def _fail(message: str) -> None:
@@ -83,7 +87,7 @@ def run_command(config_path: str, overrides: tuple[str, ...]) -> None:
     Exits with the job's code; on failure names the rank and role that failed.
     """
     try:
-        _, placement, _ = _load_and_plan(config_path, overrides, None, None)
+        _, placement, _ = _load_and_plan(config_path, overrides, None, None, require_models=True)
     except ConfigError as exc:
         _fail(str(exc))
     if placement.nnodes != 1:
