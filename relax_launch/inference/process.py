@@ -26,14 +26,17 @@ class ProcessStartError(RuntimeError):
 
 
 class OwnedProcess:
-    """A generation server: subclasses give ``command()`` and ``url``; it is ready once it has
-    generated one real token."""
+    """A generation server on ``host:port``: subclasses give ``command()``; it is ready once it
+    has generated one real token."""
 
-    def __init__(self, *, log_path: str | Path, what: str) -> None:
+    def __init__(self, *, host: str, port: int, log_path: str | Path, what: str) -> None:
+        self.host, self.port = host, port
         self.log_path, self.what = Path(log_path), what
         self.process: subprocess.Popen[bytes] | None = None
 
-    url: str
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         raise NotImplementedError

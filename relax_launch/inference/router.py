@@ -17,12 +17,13 @@ class SGLangRouter(OwnedProcess):
     def __init__(
         self, *, worker_urls: list[str], log_path: str | Path, host: str = "127.0.0.1"
     ) -> None:
-        self.worker_urls, self.host, self.port = list(worker_urls), host, free_port(host)
-        super().__init__(log_path=log_path, what=f"sglang-router for {len(worker_urls)} engines")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        self.worker_urls = list(worker_urls)
+        super().__init__(
+            host=host,
+            port=free_port(host),
+            log_path=log_path,
+            what=f"sglang-router for {len(worker_urls)} engines",
+        )
 
     def command(self) -> list[str]:
         return [

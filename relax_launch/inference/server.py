@@ -48,14 +48,14 @@ class SGLangServer(OwnedProcess):
         engine: dict[str, Any] | None = None,
     ) -> None:
         self.model_path, self.device = str(model_path), device
-        self.host, self.port = host, port or free_port(host)
         self.parallel = {"tp_size": tp_size, "pp_size": pp_size, "base_gpu_id": base_gpu_id}
         self.engine = dict(engine or {})
-        super().__init__(log_path=log_path, what=f"SGLang server for {self.model_path}")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        super().__init__(
+            host=host,
+            port=port or free_port(host),
+            log_path=log_path,
+            what=f"SGLang server for {self.model_path}",
+        )
 
     def command(self) -> list[str]:
         return [

@@ -24,8 +24,6 @@ from relax_launch.rl.samples import Sample
 from relax_launch.runtime.session import Session
 from relax_launch.trainer.batch import TokenBatch
 
-PHASES = ("rollout", "teacher", "reward", "train", "sync")
-
 
 @dataclass
 class RLContext:
