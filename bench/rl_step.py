@@ -1,9 +1,11 @@
 """Benchmark: where an RL step's time goes, from a real run of a config (default the quickstart).
 
 Runs ``relax-launch run CONFIG`` (pass overrides after the config), reads its metrics.jsonl and
-prints the mean seconds per phase (rollout, teacher, reward, train, sync), the rest of the step
-(batching, advantages, bookkeeping) and its share of the step time (target <= 5%), skipping the
-first step (warm-up). Run: ``.venv/bin/python bench/rl_step.py [CONFIG] [key=value ...]``.
+prints the mean seconds per phase (rollout, teacher, reward, train, wait, sync), the rest of the
+step (batching, advantages, bookkeeping) and its share of the step time (target <= 5%), skipping
+the first step (warm-up). With ``algorithm.off_policy_steps=1`` rollout, teacher and reward run
+in the background during train, so their shares overlap it; ``wait`` is the time the sync waited
+for them. Run: ``.venv/bin/python bench/rl_step.py [CONFIG] [key=value ...]``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-PHASES = ("rollout", "teacher", "reward", "train", "sync", "other")
+PHASES = ("rollout", "teacher", "reward", "train", "wait", "sync", "other")
+BACKGROUND = ("rollout", "teacher", "reward")  # with off_policy_steps=1
 
 
 def main(argv: list[str]) -> int:
@@ -30,9 +33,11 @@ def main(argv: list[str]) -> int:
     measured = steps[1:] or steps
     step_s = sum(s["time/step"] for s in measured) / len(measured)
     print(f"\n{config}: {len(measured)} steps measured (first skipped), {step_s:.2f} s per step")
+    overlapped = any("time/wait" in s for s in steps)
     for phase in PHASES:
         seconds = sum(s.get(f"time/{phase}", 0.0) for s in measured) / len(measured)
-        print(f"  {phase:<8} {seconds:8.3f} s  {seconds / step_s:6.1%}")
+        note = "  (background, overlaps train)" if overlapped and phase in BACKGROUND else ""
+        print(f"  {phase:<8} {seconds:8.3f} s  {seconds / step_s:6.1%}{note}")
     other = sum(s["time/other"] for s in measured) / len(measured)
     print(f"  outside the phases: {other / step_s:.2%} of the step (target <= 5%)")
     return 0

@@ -27,7 +27,8 @@ from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
 from relax_launch.weights.config import WeightSyncConfig
 from relax_launch.weights.engine_client import Background, post
-from relax_launch.weights.sync import EngineTarget, WeightSender, custom_group, dtype_name
+from relax_launch.weights.sync import WeightSender, custom_group, dtype_name
+from relax_launch.weights.update_session import EngineTarget, UpdateSession
 
 REPEATS = 3
 WARMUP = 2
@@ -65,6 +66,16 @@ def ceiling(nbytes: int, receivers: int) -> float:
         p.join(60)
     dist.destroy_process_group(group)
     return seconds
+
+
+def ours(sender: WeightSender, weights: dict[str, torch.Tensor], version: int) -> None:
+    """What ``Session.sync_weights`` does for one pipeline stage."""
+    engines = UpdateSession(sender.targets, 300)
+    engines.open()
+    sender.send(weights.items(), version)
+    engines.commit(version)
+    engines.close()
+    sender.commit()
 
 
 def per_tensor(sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
@@ -131,7 +142,7 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
         sender.connect()
         version = iter(range(1000))
         results = {
-            "ours": timed(lambda: sender.sync(weights.items(), next(version))),
+            "ours": timed(lambda: ours(sender, weights, next(version))),
             "per-tensor": timed(lambda: per_tensor(sender, weights)),
             "disk": timed(lambda: from_disk(servers, weights, model_dir)),
         }

@@ -25,7 +25,9 @@ config = JobConfig(
     rollout=RolloutConfig(ranks=1, engine=ENGINE),
     teacher=TeacherConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
     genrm=GenRMConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
-    algorithm=AlgorithmConfig(num_steps=6, n_samples_per_prompt=4, distill_coef=0.01),
+    algorithm=AlgorithmConfig(
+        num_steps=6, n_samples_per_prompt=4, distill_coef=0.01, kl_coef=0.02, off_policy_steps=1
+    ),
     data=DataConfig(
         dataset="builtin:arithmetic",
         prompts_per_step=2,

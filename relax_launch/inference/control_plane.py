@@ -54,7 +54,11 @@ def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> I
 
 
 def chat_renderer(model_dir: Path) -> Renderer:
-    """Judge messages -> prompt with the model's own chat template (tokenizer loaded once)."""
+    """Judge messages -> prompt with the model's own chat template (tokenizer loaded once).
+
+    Messages ending with an assistant message are a prefilled reply: the prompt ends inside it
+    and the engine continues it (``"Score:"`` makes a small judge answer with a number).
+    """
     loaded: list[Any] = []
     lock = threading.Lock()
 
@@ -64,8 +68,13 @@ def chat_renderer(model_dir: Path) -> Renderer:
                 from transformers import AutoTokenizer  # only when the judge form is used
 
                 loaded.append(AutoTokenizer.from_pretrained(str(model_dir)))
+        prefilled = messages[-1].get("role") == "assistant"
         return loaded[0].apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **kwargs
+            messages,
+            tokenize=False,
+            add_generation_prompt=not prefilled,
+            continue_final_message=prefilled,
+            **kwargs,
         )
 
     return render

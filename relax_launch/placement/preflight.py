@@ -47,34 +47,7 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     dataset_problem = _dataset_problem(job.data.dataset)
     if dataset_problem and require_models:
         raise ConfigError(dataset_problem, ("data.dataset",))
-    unbuilt = _not_built_yet(job)
-    if unbuilt and require_models:
-        raise ConfigError(unbuilt[0][1], (unbuilt[0][0],))
-    return warnings + ([dataset_problem] if dataset_problem else []) + [m for _, m in unbuilt]
-
-
-def _not_built_yet(job: JobConfig) -> list[tuple[str, str]]:
-    """Settings the schema describes that the RL loop does not apply yet: refused before a run
-    rather than silently ignored (``relax-launch plan`` only warns)."""
-    problems = []
-    if job.algorithm.kl_coef > 0:
-        problems.append(
-            (
-                "algorithm.kl_coef",
-                "algorithm.kl_coef > 0 (KL to the initial policy) is not implemented yet: set "
-                "algorithm.kl_coef=0 (a teacher serving the initial model with "
-                "algorithm.distill_coef gives a similar pull).",
-            )
-        )
-    if job.algorithm.off_policy_steps:
-        problems.append(
-            (
-                "algorithm.off_policy_steps",
-                "algorithm.off_policy_steps=1 (overlapping the next rollout with training) is not "
-                "implemented yet: set algorithm.off_policy_steps=0.",
-            )
-        )
-    return problems
+    return warnings + ([dataset_problem] if dataset_problem else [])
 
 
 def _facts_or_problem(role: str, ref: str, require: bool) -> ModelFacts | str:

@@ -31,13 +31,20 @@ class AlgorithmConfig(Section):
         "token",
         description="Average the loss over all tokens, or per sequence then over sequences.",
     )
-    kl_coef: float = Field(0.0, ge=0, description="Coefficient of KL to the initial policy.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Coefficient of the per-token KL penalty to the initial policy (k3 "
+        "estimator); > 0 keeps a frozen copy of the initial policy on every trainer rank.",
+    )
     distill_coef: float = Field(
         0.0, ge=0, description="Coefficient of reverse KL to the teacher; > 0 needs a teacher."
     )
     off_policy_steps: Literal[0, 1] = Field(
         0,
-        description="0: synchronous; 1: generate step k+1 while training step k (decoupled only).",
+        description="0: synchronous. 1: generate and score step k+1's samples with step k's "
+        "weights while step k trains (decoupled only); samples more than this many weight "
+        "versions old are not trained on.",
     )
 
 

@@ -2,13 +2,21 @@
 
 rollout (N samples per prompt through the gateway) -> teacher scoring (logprobs written back
 onto the samples) -> rewards (functions and the GenRM judge) -> advantages (GRPO, plus the
-distillation term per token) -> Megatron train step (PPO-clip) -> weight sync (version = step).
+distillation term per token) -> Megatron train step (PPO-clip, optional KL to the initial
+policy) -> weight sync (version = step + 1).
+
+With ``algorithm.off_policy_steps: 1`` (decoupled placement) the first four phases of step k+1
+run in a background thread while step k trains: the engines generate with the weights of step
+k, the sync waits for that rollout to finish (so no sample mixes weight versions), and step k+1
+trains on samples one version old. Every sample carries the weight version that generated it;
+one older than ``off_policy_steps`` is not trained on (``samples_stale``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +32,19 @@ from relax_launch.rl.samples import Sample
 from relax_launch.runtime.session import Session
 from relax_launch.trainer.batch import TokenBatch
 
+# The background rollout's requests each time out after 600 s (rollout.py); this bounds the
+# wait for all of them with room to spare.
+ROLLOUT_WAIT_S = 900.0
+
+
+@dataclass
+class RolloutBatch:
+    """One step's scored samples, their metrics and the seconds each phase took."""
+
+    samples: list[Sample]
+    metrics: dict[str, float]
+    seconds: dict[str, float]
+
 
 @dataclass
 class RLContext:
@@ -38,29 +59,64 @@ class RLContext:
     log: MetricsLog
     has_teacher: bool
     skipped_prompts: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # this step's main-thread phases
+    background: ThreadPoolExecutor | None = None  # off-policy: where the next rollout runs
+    upcoming: Future[RolloutBatch] | None = None  # off-policy: the next step's batch
 
     @property
     def spec(self) -> LossSpec:
         a = self.algorithm
-        return LossSpec(a.clip_eps, a.clip_eps_high or a.clip_eps, a.loss_aggregation)
+        return LossSpec(a.clip_eps, a.clip_eps_high or a.clip_eps, a.loss_aggregation, a.kl_coef)
 
 
 @contextmanager
-def phase(ctx: RLContext, name: str) -> Iterator[None]:
+def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
     started = time.perf_counter()
     try:
         yield
     finally:
-        ctx.seconds[name] = time.perf_counter() - started
+        seconds[name] = time.perf_counter() - started
 
 
-def rl_step(ctx: RLContext, step: int) -> dict[str, float]:
+def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
     """One RL step; returns its metrics."""
     ctx.seconds = {}
     started = time.perf_counter()
     a = ctx.algorithm
-    with phase(ctx, "rollout"):
+    if ctx.upcoming is not None:  # generated while the previous step trained
+        batch = ctx.upcoming.result()
+    else:
+        batch = collect(ctx, ctx.seconds)  # rollout -> teacher -> reward -> advantages
+    ctx.upcoming = None
+    if ctx.background is not None and step + 1 < num_steps:
+        ctx.upcoming = ctx.background.submit(collect, ctx, {})
+    stale = drop_stale(batch.samples, trainer_version=step, bound=a.off_policy_steps)
+    with timed(ctx.seconds, "train"):
+        metrics = ctx.session.train_step(to_batch(batch.samples, a.distill_coef), ctx.spec)
+    if ctx.upcoming is not None:
+        with timed(ctx.seconds, "wait"):  # the engines must be idle before they take weights
+            wait_for_rollout(ctx.upcoming, step + 1)
+    with timed(ctx.seconds, "sync"):
+        ctx.session.sync_weights(step + 1)
+    total = time.perf_counter() - started
+    versions = [int(s.weight_version) for s in batch.samples]
+    metrics |= batch.metrics
+    metrics |= {f"time/{k}": v for k, v in (batch.seconds | ctx.seconds).items()}
+    metrics |= {"time/step": total, "time/other": total - sum(ctx.seconds.values())}
+    return {
+        "step": step + 1,
+        "weight_version": min(versions),
+        "staleness": step - min(versions),
+        "samples_stale": stale,
+        "data/skipped_long_prompts": ctx.skipped_prompts,
+        **metrics,
+    }
+
+
+def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
+    """Rollout, teacher scoring, rewards and advantages: everything a train step consumes."""
+    a = ctx.algorithm
+    with timed(seconds, "rollout"):
         samples = rollout.generate(
             ctx.session.gateway_url,
             next_prompts(ctx),
@@ -69,20 +125,33 @@ def rl_step(ctx: RLContext, step: int) -> dict[str, float]:
             max_tokens=ctx.data.max_response_tokens,
         )
     if ctx.has_teacher:
-        with phase(ctx, "teacher"):
+        with timed(seconds, "teacher"):
             rollout.score_with_teacher(ctx.session.gateway_url, samples)
-    with phase(ctx, "reward"):
+    with timed(seconds, "reward"):
         metrics = ctx.rewards.score(samples)
     assign_advantages(samples, a.n_samples_per_prompt)
-    with phase(ctx, "train"):
-        metrics |= ctx.session.train_step(to_batch(samples, a.distill_coef), ctx.spec)
-    with phase(ctx, "sync"):
-        ctx.session.sync_weights(step + 1)
-    total = time.perf_counter() - started
-    metrics |= sample_metrics(samples, ctx.seconds.get("rollout", 0.0))
-    metrics |= {f"time/{k}": v for k, v in ctx.seconds.items()}
-    metrics |= {"time/step": total, "time/other": total - sum(ctx.seconds.values())}
-    return {"step": step + 1, "data/skipped_long_prompts": ctx.skipped_prompts, **metrics}
+    metrics |= sample_metrics(samples, seconds["rollout"])
+    return RolloutBatch(samples, metrics, dict(seconds))
+
+
+def wait_for_rollout(upcoming: Future[RolloutBatch], step: int) -> None:
+    """Block until the background rollout is done; its error, if any, is raised here."""
+    try:
+        upcoming.result(timeout=ROLLOUT_WAIT_S)
+    except TimeoutError:
+        raise TimeoutError(
+            f"the background rollout of step {step + 1} did not finish within {ROLLOUT_WAIT_S:.0f}"
+            " s; check the rollout engines' logs and the gateway's /metrics"
+        ) from None
+
+
+def drop_stale(samples: list[Sample], *, trainer_version: int, bound: int) -> int:
+    """Mark samples generated more than ``bound`` weight versions ago as not trained on."""
+    stale = 0
+    for s in samples:
+        if s.valid and trainer_version - int(s.weight_version) > bound:
+            s.valid, stale = False, stale + 1
+    return stale
 
 
 def next_prompts(ctx: RLContext) -> list[tuple[Prompt, list[int]]]:
@@ -145,7 +214,6 @@ def sample_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
         "response_tokens": generated / len(samples),
         "tokens_per_s": generated / rollout_s if rollout_s else 0.0,
         "samples_invalid": len(samples) - len(valid),
-        "weight_version": min(int(s.weight_version) for s in samples),
     }
     scored = [s for s in samples if s.teacher_logprobs]
     if scored:
@@ -159,10 +227,16 @@ def sample_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
 def run(ctx: RLContext, num_steps: int, log_dir: Path) -> list[dict[str, float]]:
     """All steps, with a progress line each; metrics to JSONL, a plot and a summary at the end."""
     history = []
-    for step in range(num_steps):
-        metrics = rl_step(ctx, step)
-        history.append(metrics)
-        ctx.log.write(metrics)
-        print(ctx.log.progress(metrics, num_steps), flush=True)
+    if ctx.algorithm.off_policy_steps:
+        ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
+    try:
+        for step in range(num_steps):
+            metrics = rl_step(ctx, step, num_steps)
+            history.append(metrics)
+            ctx.log.write(metrics)
+            print(ctx.log.progress(metrics, num_steps), flush=True)
+    finally:
+        if ctx.background is not None:  # on an error, do not wait for a rollout nobody needs
+            ctx.background.shutdown(wait=False, cancel_futures=True)
     ctx.log.finish(history, log_dir)
     return history

@@ -11,8 +11,14 @@ from PIL import Image, ImageDraw
 
 from relax_launch.rl.tensorboard import EventWriter
 
-PLOTS = (("reward", "#1f77b4"), ("reverse_kl", "#d62728"), ("time/step", "#2ca02c"))
-PHASE_KEYS = ("rollout", "teacher", "reward", "train", "sync", "other")
+PHASE_KEYS = ("rollout", "teacher", "reward", "train", "wait", "sync", "other")
+# One panel per row: its title and the curves it draws (each only when the run has it).
+PANELS = (
+    ("reward", ("reward",)),
+    ("KL", ("reverse_kl", "kl_ref")),
+    ("seconds per phase", tuple(f"time/{p}" for p in PHASE_KEYS)),
+)
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#7f7f7f")
 
 
 class MetricsLog:
@@ -42,6 +48,10 @@ class MetricsLog:
         ]
         if "reverse_kl" in m:
             parts.append(f"rev-KL {m['reverse_kl']:.4f}")
+        if "kl_ref" in m:
+            parts.append(f"KL-ref {m['kl_ref']:.4f}")
+        if m.get("staleness"):
+            parts.append(f"stale {int(m['staleness'])}")
         parts.append(f"{m['tokens_per_s']:.0f} tok/s")
         phases = " ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m)
         return "relax-launch: " + " | ".join(parts) + f" | {phases}"
@@ -60,7 +70,7 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
         return sum(values) / len(values) if values else float("nan")
 
     lines = [f"relax-launch: finished {len(history)} steps"]
-    for key in ("reward", "reverse_kl", "tokens_per_s", "time/step"):
+    for key in ("reward", "reverse_kl", "kl_ref", "tokens_per_s", "time/step"):
         if any(key in r for r in history):
             lines.append(
                 f"  {key:<14} first {k}: {mean(history[:k], key):9.4f}   "
@@ -68,40 +78,58 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
             )
     share = {p: sum(r.get(f"time/{p}", 0.0) for r in history) for p in PHASE_KEYS}
     total = sum(r["time/step"] for r in history) or 1.0
-    lines.append("  time share     " + "  ".join(f"{p} {v / total:.0%}" for p, v in share.items()))
+    shares = "  ".join(f"{p} {v / total:.0%}" for p, v in share.items() if v)
+    lines.append("  time share     " + shares)
+    if share["wait"] or any(r.get("staleness") for r in history):
+        lines.append(
+            "                 (one step off-policy: rollout, teacher and reward overlap train)"
+        )
     lines.append(f"  metrics: {metrics_path}   curves: {plot}")
     return "\n".join(lines)
 
 
 def plot_curves(history: list[dict[str, float]], path: Path) -> Path:
-    """One small panel per curve (reward, reverse KL, step time) against the step."""
+    """One panel per row of ``PANELS`` (reward, KL, seconds per phase) against the step."""
     width, panel = 720, 200
-    shown = [(key, color) for key, color in PLOTS if any(key in r for r in history)]
+    shown = [(title, [k for k in keys if any(k in r for r in history)]) for title, keys in PANELS]
+    shown = [(title, keys) for title, keys in shown if keys]
     image = Image.new("RGB", (width, panel * max(1, len(shown))), "white")
     draw = ImageDraw.Draw(image)
-    for row, (key, color) in enumerate(shown):
-        points = [(r["step"], r[key]) for r in history if key in r and not math.isnan(r[key])]
+    for row, (title, keys) in enumerate(shown):
+        series = {
+            key: [(r["step"], r[key]) for r in history if key in r and not math.isnan(r[key])]
+            for key in keys
+        }
+        values = [v for points in series.values() for _, v in points]
         top, left, right, bottom = row * panel + 24, 60, width - 20, (row + 1) * panel - 24
         draw.rectangle([left, top, right, bottom], outline="#999999")
-        draw.text((left, top - 18), key, fill="black")
-        if not points:
+        if not values:
+            draw.text((left, top - 18), title, fill="black")
             continue
-        lo, hi = min(v for _, v in points), max(v for _, v in points)
+        steps = [s for points in series.values() for s, _ in points]
+        lo, hi = min(values), max(values)
         hi = hi if hi > lo else lo + 1.0
-        first, last = points[0][0], points[-1][0]
-        span = (last - first) or 1
-        pixels = [
-            (
-                left + (right - left) * (step - first) / span,
-                bottom - (bottom - top) * (value - lo) / (hi - lo),
-            )
-            for step, value in points
-        ]
+        first, span = min(steps), (max(steps) - min(steps)) or 1
+        legend = left
+        draw.text((legend, top - 18), f"{title}:", fill="black")
+        legend += 8 * len(title) + 12
+        for i, (key, points) in enumerate(series.items()):
+            color = COLORS[i % len(COLORS)]
+            name = key.removeprefix("time/")
+            draw.text((legend, top - 18), name, fill=color)
+            legend += 7 * len(name) + 12
+            pixels = [
+                (
+                    left + (right - left) * (step - first) / span,
+                    bottom - (bottom - top) * (value - lo) / (hi - lo),
+                )
+                for step, value in points
+            ]
+            if len(pixels) > 1:
+                draw.line(pixels, fill=color, width=2)
+            for x, y in pixels:
+                draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
         draw.text((4, top), f"{hi:.3g}", fill="black")
         draw.text((4, bottom - 12), f"{lo:.3g}", fill="black")
-        if len(pixels) > 1:
-            draw.line(pixels, fill=color, width=2)
-        for x, y in pixels:
-            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
     image.save(path)
     return path

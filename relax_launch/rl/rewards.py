@@ -24,12 +24,14 @@ from relax_launch.rl.samples import Sample
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_LINE = re.compile(r"^Answer:\s*\S.*$")
-# The judge is asked to end with "Score: N" (0-10); the reward is N / 10.
+# The judge is asked for "Score: N" (0-10) and its reply is prefilled with "Score:", so it only
+# writes the number; the reward is N / 10, clamped to [0, 1].
 JUDGE_TEMPLATE = (
     "You are grading an answer.\nQuestion:\n{question}\n\nAnswer:\n{answer}\n\n"
     "{reference}Rate the answer from 0 (wrong) to 10 (perfect). "
     "Reply with one line: 'Score: <number>'."
 )
+JUDGE_PREFILL = "Score:"
 SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
@@ -135,12 +137,18 @@ class Rewards:
     def _judge(self, samples: list[Sample]) -> tuple[list[float | None], str | None]:
         if self.judge is None:
             raise RewardError("a genrm reward source needs the genrm role")
-        prompts = [[{"role": "user", "content": judge_prompt(s)}] for s in samples]
+        prompts = [
+            [
+                {"role": "user", "content": judge_prompt(s)},
+                {"role": "assistant", "content": JUDGE_PREFILL},
+            ]
+            for s in samples
+        ]
         values: list[float | None] = []
         error = None
         for reply in self.judge(prompts):
             try:
-                values.append(parse_score(reply))
+                values.append(parse_score(f"{JUDGE_PREFILL} {reply}"))
             except ValueError as exc:
                 values.append(None)
                 error = error or f"genrm: {exc}"

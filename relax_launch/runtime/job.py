@@ -51,6 +51,7 @@ def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> l
                         device=device,
                         sync=job.weight_sync,
                         plan=plan,
+                        reference=job.algorithm.kl_coef > 0,
                     )
                 )
             elif a.is_head:
@@ -128,6 +129,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             channel=channel,
             handlers=handlers,
             startup_timeout_s=job.cluster.startup_timeout_s,
+            weight_sync_timeout_s=job.weight_sync.timeout_s,
             control_plane=control_plane,
         )
         try:

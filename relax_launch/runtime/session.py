@@ -6,14 +6,17 @@ is one control-channel command to the ranks that own the work.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
 from relax_launch.inference.control_plane import ControlPlane
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.rl.losses import LossSpec
-from relax_launch.runtime.control import ControlChannel
+from relax_launch.runtime.control import ControlChannel, RemoteError
 from relax_launch.trainer.batch import TokenBatch
+from relax_launch.weights.engine_client import EngineRequestError
+from relax_launch.weights.update_session import EngineTarget, UpdateSession, WeightSyncError
 
 
 class Session:
@@ -26,11 +29,14 @@ class Session:
         channel: ControlChannel,
         handlers: dict[str, Any],
         startup_timeout_s: float,
+        weight_sync_timeout_s: float,
         control_plane: ControlPlane | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
+        self.weight_sync_timeout_s = weight_sync_timeout_s
         self.engine_urls: dict[str, list[str]] = {}
+        self.sync_targets: list[EngineTarget] = []
         self.weight_version: int | None = None
 
     def _call(
@@ -62,9 +68,13 @@ class Session:
         """Each pipeline stage's source rank forms its broadcast group with the rollout engines."""
         urls = self.engine_urls.get("rollout") or self.wait_for_engines()["rollout"]
         rollout = self.plan.engines_of("rollout")
+        label = "rollout engine {} (rank {})".format
+        self.sync_targets = [
+            EngineTarget(url, 0, label(i, rollout[i].head_rank)) for i, url in enumerate(urls)
+        ]
         for group in self.plan.weight_sync_groups:
             targets = [
-                (urls[index], offset, f"rollout engine {index} (rank {rollout[index].head_rank})")
+                (urls[index], offset, label(index, rollout[index].head_rank))
                 for index, offset in group.engine_rank_offsets
             ]
             self._call(
@@ -76,17 +86,28 @@ class Session:
             )
 
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
-        """Push the trainer's weights to every rollout engine as ``weight_version``.
+        """Push the trainer's weights to every rollout engine as ``weight_version``, all or
+        nothing: one update session per engine, every pipeline stage sends into it, then the
+        version is committed; if any stage fails, every stage restores the last committed copy.
 
         The rollout model is not routable while the sync runs; it is once every engine serves
-        the new version, and a failed (rolled back) sync leaves readiness as it was before.
+        the new version, and a failed (restored) sync leaves readiness as it was before.
         """
         rollout = self.control_plane.managers.get("rollout") if self.control_plane else None
         replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
+        engines = UpdateSession(self.sync_targets, self.weight_sync_timeout_s)
         if rollout is not None:
             rollout.weights_updating()
         try:
-            replies = self._call("weights.sync", replica0, weight_version=weight_version)
+            engines.open()
+            try:
+                replies = self._send_or_restore(replica0, engines, weight_version)
+            except BaseException:
+                with contextlib.suppress(EngineRequestError):  # keep the sync's own error
+                    engines.close()
+                raise
+            engines.close()
+            self._call("weights.commit", replica0)
         except BaseException:
             if rollout is not None:
                 rollout.weights_failed()
@@ -95,6 +116,28 @@ class Session:
             rollout.weights_committed(weight_version)
         self.weight_version = weight_version
         return [r for r in replies.values() if r is not None]
+
+    def _send_or_restore(
+        self, replica0: list[int], engines: UpdateSession, weight_version: int
+    ) -> dict[int, Any]:
+        try:
+            replies = self._call("weights.send", replica0, weight_version=weight_version)
+            engines.commit(weight_version)
+            return replies
+        except (RemoteError, RuntimeError) as cause:
+            failed = f"weight sync to version {weight_version} failed ({cause})"
+            try:
+                restored = any(self._call("weights.restore", replica0).values())
+            except (RemoteError, RuntimeError) as again:
+                raise WeightSyncError(
+                    f"{failed} and restoring version {self.weight_version} failed too "
+                    f"({again}): engines hold mixed weights"
+                ) from cause
+            if not restored:
+                raise WeightSyncError(f"{failed}; no earlier version to restore") from cause
+            raise WeightSyncError(
+                f"{failed}; engines restored to version {self.weight_version}"
+            ) from cause
 
     def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
         replies = self._call(

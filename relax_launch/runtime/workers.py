@@ -19,7 +19,8 @@ from relax_launch.rl.losses import LossSpec
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
-from relax_launch.weights.sync import EngineTarget, WeightSender
+from relax_launch.weights.sync import WeightSender
+from relax_launch.weights.update_session import EngineTarget
 
 
 def node_address(plan: PlacementPlan) -> str:
@@ -39,10 +40,13 @@ class TrainerWorker:
         device: platform.Device,
         sync: WeightSyncConfig,
         plan: PlacementPlan,
+        reference: bool = False,
     ) -> None:
         from relax_launch.trainer.trainer import Trainer  # torch + Megatron: trainer ranks only
 
-        self.trainer = Trainer(section=section, model_dir=model_dir, pgc=pgc, device=device)
+        self.trainer = Trainer(
+            section=section, model_dir=model_dir, pgc=pgc, device=device, reference=reference
+        )
         self.sync_config, self.plan, self.device = sync, plan, device
         self.sender: WeightSender | None = None
 
@@ -53,7 +57,9 @@ class TrainerWorker:
             ),
             "trainer.logprobs": lambda batch: self.trainer.logprobs(TokenBatch(**batch)),
             "weights.connect": self.connect,
-            "weights.sync": self.sync,
+            "weights.send": self.send,
+            "weights.commit": lambda: self.sender and self.sender.commit(),
+            "weights.restore": lambda: bool(self.sender and self.sender.restore()),
         }
 
     def connect(self, pp_rank: int, targets: list[tuple[str, int, str]], world_size: int) -> None:
@@ -71,15 +77,15 @@ class TrainerWorker:
         )
         self.sender.connect()
 
-    def sync(self, weight_version: int) -> dict[str, Any] | None:
-        """Export this stage's weights (all of DP replica 0 gathers TP); the source sends them."""
+    def send(self, weight_version: int) -> dict[str, Any] | None:
+        """Export this stage's weights (all of DP replica 0 gathers TP); the source sends them
+        into the update session the controller opened."""
         named = self.trainer.export_hf_weights()
         if self.sender is None:
             for _ in named:  # take part in the TP gathers
                 pass
             return None
-        report = self.sender.sync(named, weight_version)
-        return report.__dict__
+        return self.sender.send(named, weight_version).__dict__
 
     def close(self) -> None:
         if self.sender is not None:

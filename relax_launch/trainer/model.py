@@ -61,12 +61,29 @@ def transformer_config(shape: LlamaShape, section: TrainerConfig) -> Any:
 
 def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) -> Any:
     """A DDP-wrapped GPTModel for this rank's pipeline stage, on torch ``device``."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
+
+    model = build_gpt_module(shape, section, pgc, device)
+    ddp = DistributedDataParallel(
+        config=model.config,
+        module=model,
+        pg_collection=pgc,
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce, tied embeddings
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_gpt_module(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) -> Any:
+    """The bare GPTModel of this rank's pipeline stage (no DDP), on torch ``device``."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
@@ -86,22 +103,11 @@ def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) 
         post_process=is_pp_last_stage(pgc.pp),
         pg_collection=pgc,
     )
-    model = model.to(device)  # built on the CPU (use_cpu_initialization)
-    ddp = DistributedDataParallel(
-        config=config,
-        module=model,
-        pg_collection=pgc,
-        ddp_config=DistributedDataParallelConfig(
-            overlap_grad_reduce=False, use_distributed_optimizer=False
-        ),
-    )
-    config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce, tied embeddings
-    config.no_sync_func = ddp.no_sync
-    return ddp
+    return model.to(device)  # built on the CPU (use_cpu_initialization)
 
 
-def load_hf_checkpoint(model: Any, model_dir: Path, shape: LlamaShape, pgc: Any) -> None:
-    """Load this rank's shard of the HF safetensors in ``model_dir`` into the GPT module."""
+def load_hf_checkpoint(module: Any, model_dir: Path, shape: LlamaShape, pgc: Any) -> None:
+    """Load this rank's shard of the HF safetensors in ``model_dir`` into the bare GPTModel."""
     from safetensors.torch import load_file
 
     hf: dict[str, torch.Tensor] = {}
@@ -115,7 +121,7 @@ def load_hf_checkpoint(model: Any, model_dir: Path, shape: LlamaShape, pgc: Any)
         pp_rank=pgc.pp.rank(),
         pp_size=pgc.pp.size(),
     )
-    params = dict(model.module.named_parameters())
+    params = dict(module.named_parameters())
     missing = sorted(set(params) - set(shard))
     unexpected = sorted(set(shard) - set(params))
     if missing or unexpected:

@@ -21,21 +21,42 @@ from relax_launch.rl.losses import LossSpec, policy_loss
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
-from relax_launch.trainer.model import build_gpt, build_optimizer, load_hf_checkpoint, read_shape
+from relax_launch.trainer.model import (
+    build_gpt,
+    build_gpt_module,
+    build_optimizer,
+    load_hf_checkpoint,
+    read_shape,
+)
 
 
 class Trainer:
-    """The policy on this rank: build from an HF checkpoint, then step, score and export."""
+    """The policy on this rank: build from an HF checkpoint, then step, score and export.
+
+    With ``reference`` it also keeps a frozen copy of the initial policy, which scores each
+    batch for the KL penalty (``LossSpec.kl_coef``).
+    """
 
     def __init__(
-        self, *, section: TrainerConfig, model_dir: Path, pgc: Any, device: platform.Device
+        self,
+        *,
+        section: TrainerConfig,
+        model_dir: Path,
+        pgc: Any,
+        device: platform.Device,
+        reference: bool = False,
     ) -> None:
         self.section, self.pgc = section, pgc
         self.shape = read_shape(model_dir)
         torch.manual_seed(section.seed)
         self.torch_device = platform.torch_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         self.model = build_gpt(self.shape, section, pgc, self.torch_device)
-        load_hf_checkpoint(self.model, model_dir, self.shape, pgc)
+        load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
+        self.reference = None
+        if reference:
+            self.reference = build_gpt_module(self.shape, section, pgc, self.torch_device)
+            load_hf_checkpoint(self.reference, model_dir, self.shape, pgc)
+            self.reference.requires_grad_(False).eval()
         self.optimizer = build_optimizer(
             self.model, section, pgc, platform.megatron_clip_grad(device, section.clip_grad)
         )
@@ -52,16 +73,20 @@ class Trainer:
         Returns the grad norm, and on the last pipeline stage the mean micro-batch loss (and,
         for PPO, the clipped fraction and approximate KL to the sampling policy).
         """
+        spec = spec or LossSpec()
+        micro_batches = self._micro_batches(batch)
+        if spec.kl_coef > 0:
+            self._add_reference_logprobs(micro_batches)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batch, forward_only=False, spec=spec or LossSpec())
+        outputs = self._schedule(self.model, micro_batches, forward_only=False, spec=spec)
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError(f"trainer step {self.step}: optimizer skipped the update")
         self.step += 1
         metrics = {"grad_norm": float(grad_norm or 0.0)}
         if self.is_last_stage:  # the loss exists only where the logits are
-            for key in ("loss", "clip_fraction", "approx_kl"):
+            for key in ("loss", "clip_fraction", "approx_kl", "kl_ref"):
                 if key in outputs[0]:
                     metrics[key] = sum(float(o[key]) for o in outputs) / len(outputs)
         return metrics
@@ -69,18 +94,35 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> list[list[float]] | None:
         """Per-token logprobs of ``tokens[1:]`` for the whole batch (last stage; else None)."""
-        outputs = self._run(batch, forward_only=True, spec=LossSpec())
+        outputs = self._schedule(
+            self.model, self._micro_batches(batch), forward_only=True, spec=LossSpec()
+        )
         if not self.is_last_stage:
             return None
-        mine = [row for o in outputs for row in o["logprobs"]]
+        mine = [row for o in outputs for row in o["logprobs"].tolist()]
         gathered: list[Any] = [None] * self.pgc.dp.size()
         dist.all_gather_object(gathered, mine, group=self.pgc.dp)
         rows = [row for part in gathered for row in part]
         return [row[: len(t) - 1] for row, t in zip(rows, batch.tokens, strict=True)]
 
-    def _run(self, batch: TokenBatch, forward_only: bool, spec: LossSpec) -> list[dict[str, Any]]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+    def _add_reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """Score the micro-batches with the frozen initial policy; the loss reads the result
+        (on the last pipeline stage, where it is computed)."""
+        if self.reference is None:
+            raise RuntimeError(
+                "kl_coef > 0 but this trainer was built without a reference model; the runtime "
+                "builds one when algorithm.kl_coef > 0"
+            )
+        with torch.no_grad():
+            outputs = self._schedule(
+                self.reference, micro_batches, forward_only=True, spec=LossSpec()
+            )
+        if self.is_last_stage:
+            for micro_batch, output in zip(micro_batches, outputs, strict=True):
+                micro_batch["ref_logprobs"] = output["logprobs"]
 
+    def _micro_batches(self, batch: TokenBatch) -> list[dict[str, torch.Tensor]]:
+        """This data-parallel rank's share of ``batch``, as padded micro-batches of tensors."""
         dp_size, dp_rank, micro = (
             self.pgc.dp.size(),
             self.pgc.dp.rank(),
@@ -94,21 +136,31 @@ class Trainer:
         per_rank = len(batch) // dp_size
         mine = batch.select(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         tensors = {k: v.to(self.torch_device) for k, v in mine.tensors().items()}
-        seq = tensors["inputs"].shape[1]
-        micro_batches = [
+        return [
             {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, per_rank, micro)
         ]
+
+    def _schedule(
+        self,
+        model: Any,
+        micro_batches: list[dict[str, torch.Tensor]],
+        forward_only: bool,
+        spec: LossSpec,
+    ) -> list[dict[str, Any]]:
+        """Megatron's forward(-backward) schedule over the micro-batches; per micro-batch
+        outputs on the last pipeline stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        seq, micro = micro_batches[0]["inputs"].shape[1], self.section.micro_batch_size
         extra = {}
         if self.pgc.pp.size() > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-            extra["p2p_communicator"] = P2PCommunicator(
-                pp_group=self.pgc.pp, config=self.model.config
-            )
+            extra["p2p_communicator"] = P2PCommunicator(pp_group=self.pgc.pp, config=model.config)
         return get_forward_backward_func(pp_size=self.pgc.pp.size(), vp_size=None)(
             forward_step_func=functools.partial(_forward_step, spec=spec),
             data_iterator=iter(micro_batches),
-            model=[self.model],
+            model=[model],
             num_microbatches=len(micro_batches),
             seq_length=seq,
             micro_batch_size=micro,
@@ -153,11 +205,18 @@ def _forward_step(
         logprobs = -output.float()
         mask, extra = batch["mask"], {}
         if "old_logprobs" in batch:
-            loss, extra = policy_loss(logprobs, batch["old_logprobs"], batch["weights"], mask, spec)
+            loss, extra = policy_loss(
+                logprobs,
+                batch["old_logprobs"],
+                batch["weights"],
+                mask,
+                spec,
+                ref_logprobs=batch.get("ref_logprobs"),
+            )
         else:
             loss = -(batch["weights"] * mask * logprobs).sum() / mask.sum().clamp(min=1.0)
         # clone: the schedule divides the returned loss in place by the micro-batch count
-        report = {"loss": loss.detach().clone(), "logprobs": logprobs.detach().tolist()}
+        report = {"loss": loss.detach().clone(), "logprobs": logprobs.detach()}
         return loss, {**report, **{k: v.detach().clone() for k, v in extra.items()}}
 
     return token_loss, loss_fn

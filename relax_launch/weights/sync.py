@@ -1,10 +1,10 @@
 """WeightSender: push HF-named tensors from a trainer source rank into SGLang engines.
 
 One sender per pipeline stage. It rendezvouses a process group with every rollout engine worker
-(SGLang's ``init_weights_update_group``; the sender is rank 0), then each sync opens an update
-session on every engine, sends the tensors in fixed-size buckets (one
-``update_weights_from_distributed`` request per bucket, one broadcast per tensor, straight from
-the exported tensor), sets ``weight_version`` and closes the session.
+(SGLang's ``init_weights_update_group``; the sender is rank 0). Within an update session the
+controller has opened on every engine (``update_session.py``), ``send`` ships the stage's
+tensors in fixed-size buckets: one ``update_weights_from_distributed`` request per bucket, one
+broadcast per tensor, straight from the exported tensor.
 
 Per-tensor broadcasts rather than SGLang's ``flattened_bucket`` format: the engine allocates its
 receive buffers anew for every request, and a flat buffer over 32 MiB is a fresh mapping whose
@@ -13,9 +13,10 @@ come back warm from the allocator's heap; the broadcast needs no packing copy fi
 bucket may mix dtypes. Fewer, larger buckets save the engine's fixed cost per request.
 
 SGLang applies a bucket as it arrives, so all-or-nothing is made here: the sender keeps a host
-copy of the last committed sync and, if a sync fails midway, sends it again. Bucket k is copied
-while the engines load it, when the sender would otherwise wait, into the buffers of the copy
-before the last (so after two syncs a copy allocates nothing).
+copy of what it last sent; the controller ``commit``s it once every stage has sent, or asks every
+stage to ``restore`` (send the last committed copy again) when any stage failed. Bucket k is
+copied while the engines load it, when the sender would otherwise wait, into the buffers of the
+copy before the last (so after two syncs a copy allocates nothing).
 """
 
 from __future__ import annotations
@@ -29,24 +30,12 @@ import torch
 import torch.distributed as dist
 
 from relax_launch.weights.engine_client import Background, EngineRequestError, post
+from relax_launch.weights.update_session import EngineTarget, WeightSyncError, await_all
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The name SGLang resolves with ``getattr(torch, name)``: torch.bfloat16 -> "bfloat16"."""
     return str(dtype).removeprefix("torch.")
-
-
-class WeightSyncError(RuntimeError):
-    """A sync failed; the message says which engine and whether the rollback held."""
-
-
-@dataclass(frozen=True)
-class EngineTarget:
-    """One rollout engine as the sender sees it."""
-
-    url: str
-    rank_offset: int
-    label: str
 
 
 @dataclass
@@ -125,7 +114,7 @@ class WeightSender:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: dist.ProcessGroup | None = None
         self.committed: list[Bucket] = []  # host copy of the last committed sync
-        self.committed_version = 0
+        self.pending: list[Bucket] | None = None  # host copy of the last send, until committed
         self.spare: list[torch.Tensor] = []  # the copy before it: the next copy's buffers
         self.device = torch.device("cpu")  # where exported tensors live: a rollback sends there
 
@@ -150,22 +139,19 @@ class WeightSender:
         self.group = custom_group(
             self.backend, self.host, self.port, self.world_size, 0, self.group_name, self.timeout_s
         )
-        self._await(calls, "joining the weight-sync group")
+        await_all(self.targets, calls, "joining the weight-sync group", self.timeout_s)
 
-    def sync(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> SyncReport:
-        """Send every tensor and commit ``weight_version``; on failure restore the last commit."""
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> SyncReport:
+        """Send every tensor of this stage into the open update session; keep a host copy."""
         start = time.monotonic()
         tensors = iter(named)
         try:
-            copy = self._send_all(
-                buckets(tensors, self.bucket_bytes), weight_version, iter(self.spare)
-            )
+            copy = self._send_all(buckets(tensors, self.bucket_bytes), iter(self.spare))
         except (EngineRequestError, RuntimeError) as exc:
             for _ in tensors:  # finish the export: the other TP ranks are still gathering
                 pass
-            self._rollback(exc, weight_version)
-        self.spare = [t for bucket in self.committed for t in bucket.tensors]
-        self.committed, self.committed_version = copy, weight_version
+            raise WeightSyncError(f"sending version {weight_version} failed: {exc}") from exc
+        self.pending = copy
         return SyncReport(
             weight_version,
             sum(len(b.names) for b in copy),
@@ -173,24 +159,41 @@ class WeightSender:
             time.monotonic() - start,
         )
 
+    def commit(self) -> None:
+        """Every stage sent and the engines took the version: the last send is now the copy a
+        later failure restores; the copy before it lends its buffers to the next one."""
+        if self.pending is None:
+            raise RuntimeError("commit without a successful send")
+        self.spare = [t for bucket in self.committed for t in bucket.tensors]
+        self.committed, self.pending = self.pending, None
+
+    def restore(self) -> bool:
+        """Send the last committed copy again (the session is still open); False if there is
+        none yet (the first sync failed: the engines still hold their checkpoint)."""
+        if self.pending is not None:
+            self.spare, self.pending = [t for b in self.pending for t in b.tensors], None
+        if not self.committed:
+            return False
+        self._send_all(self._restoring(), None)
+        return True
+
     def _send_all(
-        self, outgoing: Iterable[Bucket], version: int, spare: Iterator[torch.Tensor] | None
+        self, outgoing: Iterable[Bucket], spare: Iterator[torch.Tensor] | None
     ) -> list[Bucket]:
-        """Send ``outgoing`` in one update session per engine and commit ``version``; with
-        ``spare`` (a new sync, not a rollback), return a host copy of what was sent."""
-        self._on_every_engine("opening an update session", "/begin_weight_update", {})
+        """Send ``outgoing`` bucket by bucket; with ``spare`` (a new sync, not a restore),
+        return a host copy of what was sent."""
         copy = []
-        try:
-            for bucket in outgoing:
-                calls = self._send_bucket(bucket)
-                if spare is not None:  # copied while the engines load it
-                    self.device = bucket.tensors[0].device
-                    copy.append(copy_bucket(bucket, spare))
-                self._await(calls, f"loading a bucket of {len(bucket.names)} tensors")
-            body = {"new_version": str(version), "abort_all_requests": False}
-            self._on_every_engine("setting weight_version", "/update_weight_version", body)
-        finally:
-            self._on_every_engine("closing the update session", "/end_weight_update", {})
+        for bucket in outgoing:
+            calls = self._send_bucket(bucket)
+            if spare is not None:  # copied while the engines load it
+                self.device = bucket.tensors[0].device
+                copy.append(copy_bucket(bucket, spare))
+            await_all(
+                self.targets,
+                calls,
+                f"loading a bucket of {len(bucket.names)} tensors",
+                self.timeout_s,
+            )
         return copy
 
     def _send_bucket(self, bucket: Bucket) -> list[Background]:
@@ -203,29 +206,6 @@ class WeightSender:
         for tensor in bucket.tensors:
             dist.broadcast(tensor, group=self.group, group_src=0)
         return calls
-
-    def _on_every_engine(self, what: str, path: str, body: dict) -> None:
-        calls = [Background(t.url, path, body, self.timeout_s) for t in self.targets]
-        self._await(calls, what)
-
-    def _await(self, calls: list[Background], what: str) -> None:
-        for target, call in zip(self.targets, calls, strict=True):
-            _checked(target, what, lambda c=call: c.result(self.timeout_s))
-
-    def _rollback(self, cause: Exception, version: int) -> None:
-        if not self.committed:
-            raise WeightSyncError(f"weight sync to version {version} failed: {cause}") from cause
-        try:
-            self._send_all(self._restoring(), self.committed_version, None)
-        except (EngineRequestError, RuntimeError) as again:
-            raise WeightSyncError(
-                f"weight sync to version {version} failed ({cause}) and restoring version "
-                f"{self.committed_version} failed too ({again}): engines hold mixed weights"
-            ) from cause
-        raise WeightSyncError(
-            f"weight sync to version {version} failed ({cause}); engines restored to version "
-            f"{self.committed_version}"
-        ) from cause
 
     def _restoring(self) -> Iterator[Bucket]:
         """The committed copy, bucket by bucket, back on the device the trainer exports from."""
@@ -244,13 +224,6 @@ class WeightSender:
                 pass  # the engine is gone or stopping: nothing left to tear down there
         dist.destroy_process_group(self.group)
         self.group = None
-
-
-def _checked(target: EngineTarget, what: str, action) -> object:
-    try:
-        return action()
-    except EngineRequestError as exc:
-        raise EngineRequestError(f"{target.label} failed {what}: {exc}") from None
 
 
 def custom_group(

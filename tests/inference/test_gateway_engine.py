@@ -112,8 +112,20 @@ def test_judge_form_with_the_models_chat_template(tiny_server, tiny_model):
             "sampling_params": {"max_new_tokens": 4},
         }
         reply = httpx.post(f"{url}/genrm/generate", json=body, timeout=60)
+        body["messages"].append({"role": "assistant", "content": "Score:"})  # prefilled reply
+        prefilled = httpx.post(f"{url}/genrm/generate", json=body, timeout=60)
     assert reply.status_code == 200 and isinstance(reply.json()["response"], str)
     assert set(reply.json()) == {"response"}
+    assert prefilled.status_code == 200 and isinstance(prefilled.json()["response"], str)
+
+
+def test_judge_prompt_continues_a_prefilled_reply(tiny_model):
+    render = chat_renderer(tiny_model)
+    question = [{"role": "user", "content": "Rate 2+2=4"}]
+    opened = render(question, {})
+    prefilled = render([*question, {"role": "assistant", "content": "Score:"}], {})
+    # the prompt ends inside the assistant turn the template opened, right after the prefill
+    assert prefilled.endswith("Score:") and prefilled.startswith(opened.rstrip())
 
 
 @pytest.mark.asyncio

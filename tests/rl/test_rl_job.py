@@ -4,6 +4,7 @@ engines; metrics written, weights synced every step, teacher and judge served by
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,27 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
     for role, requests in (("teacher", 12), ("genrm", 12), ("rollout", 12)):
         labels = f'role="{role}",endpoint="generate",model="tiny-llama",status="200"'
         assert f"relax_gateway_requests_total{{{labels}}} {requests}" in gateway, gateway
+
+
+def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
+    cli = Path(sys.executable).with_name("relax-launch")
+    config = Path(__file__).parent / "off_policy_kl_tiny.yaml"
+    result = subprocess.run(
+        [str(cli), "run", str(config), f"logging.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},  # the reward's module
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # step k+1's samples were generated with step k's weights, while step k trained
+    assert [s["weight_version"] for s in steps] == [0, 0, 1]
+    assert [s["staleness"] for s in steps] == [0, 1, 1]
+    assert [s["samples_stale"] for s in steps] == [0, 0, 0]
+    assert "time/wait" in steps[0] and "time/wait" not in steps[-1]
+    # the policy starts as the reference: no KL; after two updates at lr 1e-2 it has moved (the
+    # even-token share of 4 samples x 8 tokens differs within a group, so there is a gradient)
+    assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[-1]["kl_ref"] > 1e-4
+    assert "stale 1" in result.stdout and "KL-ref" in result.stdout

@@ -9,9 +9,15 @@ import torch
 
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.data import PromptStream, load_prompts
-from relax_launch.rl.loop import assign_advantages, to_batch
-from relax_launch.rl.losses import LossSpec, distill_advantages, group_advantages, policy_loss
-from relax_launch.rl.rewards import RewardError, Rewards, parse_score
+from relax_launch.rl.loop import assign_advantages, drop_stale, to_batch
+from relax_launch.rl.losses import (
+    LossSpec,
+    distill_advantages,
+    group_advantages,
+    policy_loss,
+    reference_kl,
+)
+from relax_launch.rl.rewards import JUDGE_PREFILL, RewardError, Rewards, parse_score
 from relax_launch.rl.samples import Sample
 
 
@@ -68,6 +74,33 @@ def test_sequence_aggregation_weights_sequences_equally():
     sequence, _ = policy_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="sequence"))
     assert float(token) == pytest.approx(-(3 + 4) / 4)
     assert float(sequence) == pytest.approx(-(1 + 4) / 2)
+
+
+def test_reference_kl_by_hand():
+    logprobs = torch.tensor([[-1.0, -2.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -3.0]])
+    # k3 = exp(d) - d - 1 with d = ref - logprob: 0, e - 2, exp(-2) + 1
+    kl = reference_kl(logprobs, ref)
+    assert kl.tolist()[0] == pytest.approx([0.0, math.e - 2, math.exp(-2) + 1])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, extra = policy_loss(
+        logprobs, logprobs.detach(), torch.zeros(1, 3), mask, LossSpec(kl_coef=0.5), ref
+    )
+    # advantages 0: the loss is 0.5 * the KL's mean over the 2 masked tokens
+    assert float(loss) == pytest.approx(0.5 * (math.e - 2) / 2)
+    assert float(extra["kl_ref"]) == pytest.approx((math.e - 2) / 2)
+    loss.backward()
+    # d/dlogprob of k3 = 1 - exp(d): no pull where policy = reference, pull up where it fell
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, 0.5 * (1 - math.e) / 2, 0.0])
+
+
+def test_samples_older_than_the_staleness_bound_are_not_trained_on():
+    samples = [sample(), sample(), sample()]
+    for s, version in zip(samples, ["3", "2", "1"], strict=True):
+        s.weight_version = version
+    assert drop_stale(samples, trainer_version=3, bound=1) == 1
+    assert [s.valid for s in samples] == [True, True, False]
+    assert drop_stale(samples, trainer_version=3, bound=1) == 0  # counted once
 
 
 def test_builtin_tasks_are_deterministic_and_checkable():
@@ -170,6 +203,20 @@ def test_judge_scores_are_parsed_and_unparseable_replies_counted():
     assert samples[0].valid and samples[0].reward == 0.0
     with pytest.raises(ValueError, match="no 'Score: N'"):
         parse_score("great answer")
+
+
+def test_judge_reply_is_prefilled_so_a_bare_number_scores():
+    asked = []
+
+    def judge(prompts):
+        asked.extend(prompts)
+        return ["7", " 10.", "Score: 4"]
+
+    rewards = Rewards(config({"name": "judge", "genrm": True}), judge=judge)
+    samples = [sample("a"), sample("b"), sample("c")]
+    rewards.score(samples)
+    assert [s.rewards["judge"] for s in samples] == [0.7, 1.0, 0.4]
+    assert all(p[-1] == {"role": "assistant", "content": JUDGE_PREFILL} for p in asked)
 
 
 def test_batch_trains_only_valid_responses_with_their_advantages():

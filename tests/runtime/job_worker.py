@@ -18,10 +18,10 @@ import torch
 
 from relax_launch.config import load_config
 from relax_launch.placement import plan
-from relax_launch.runtime.control import RemoteError
 from relax_launch.runtime.job import run_rank
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.weights.engine_client import get_json, post
+from relax_launch.weights.update_session import WeightSyncError
 
 SEQUENCES = [[5, 17, 42, 99, 7, 150, 23, 61], [9, 88, 31, 4, 270, 12, 55, 200, 13, 77]]
 WEIGHT = "model.layers.1.mlp.down_proj.weight"
@@ -114,7 +114,7 @@ def rollback(session):
     report = {"error": None}
     try:
         session.sync_weights(1)  # one tensor goes out with a wrong shape, after others applied
-    except RemoteError as exc:
+    except WeightSyncError as exc:
         report["error"] = str(exc)
     report["versions_after_failure"] = [
         get_json(u, "/model_info", 30)["weight_version"] for u in urls

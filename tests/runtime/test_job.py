@@ -100,7 +100,7 @@ def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
     code, output = finish(process, 400)
     assert code == 0, output[-4000:]
     report = json.loads(out.read_text())
-    assert "'weights.sync' failed on rank 0 (trainer[tp0 pp0 dp0])" in report["error"]
+    assert "'weights.send' failed on rank 0 (trainer[tp0 pp0 dp0])" in report["error"]
     assert "engines restored to version 0" in report["error"]
     assert report["versions_after_failure"] == ["0", "0"] and report["weights_restored"]
     # The rolled-back sync leaves the gateway serving version 0, as before it started.

@@ -1,0 +1,125 @@
+"""The loop's schedule against a recording session (a unit test of ``rl/loop.py`` only; the real
+job runs in ``test_rl_job.py``): synchronous steps, and one-step off-policy steps whose next
+rollout overlaps training but never a weight sync."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from relax_launch.config import DataConfig
+from relax_launch.rl import loop
+from relax_launch.rl.config import AlgorithmConfig
+from relax_launch.rl.loop import RLContext, RolloutBatch, run
+from relax_launch.rl.report import MetricsLog
+from relax_launch.rl.samples import Sample
+
+PHASE_S = 0.15
+
+
+class RecordingSession:
+    """Trainer and engines as a timeline: what ran when, and the engines' weight version."""
+
+    gateway_url = "unused"
+
+    def __init__(self) -> None:
+        self.engine_version = 0
+        self.events: list[tuple[str, float]] = []
+        self.generating = threading.Event()
+        self.synced_while_generating = False
+        self.lock = threading.Lock()
+
+    def record(self, name: str) -> None:
+        with self.lock:
+            self.events.append((name, time.perf_counter()))
+
+    def train_step(self, batch, spec) -> dict[str, float]:
+        self.record("train-start")
+        time.sleep(PHASE_S)
+        self.record("train-end")
+        return {"loss": 0.0}
+
+    def sync_weights(self, version: int) -> None:
+        self.synced_while_generating |= self.generating.is_set()
+        self.engine_version = version
+        self.record(f"sync-{version}")
+
+
+def fake_collect(ctx: RLContext, seconds: dict[str, float], fail_on: int | None = None):
+    session: RecordingSession = ctx.session
+    session.generating.set()
+    session.record("rollout-start")
+    version = str(session.engine_version)
+    time.sleep(PHASE_S)
+    session.record("rollout-end")
+    session.generating.clear()
+    ctx.skipped_prompts += 1  # counts calls
+    if ctx.skipped_prompts == fail_on:
+        raise RuntimeError("rollout engine went away")
+    samples = [
+        Sample(g, "q", "1", [1, 2], [3, 4], [-1.0, -1.0], "1", version, advantage=1.0)
+        for g in range(2)
+    ]
+    seconds["rollout"] = PHASE_S
+    return RolloutBatch(samples, {"reward": 1.0, "tokens_per_s": 1.0}, dict(seconds))
+
+
+def context(tmp_path, off_policy_steps: int) -> RLContext:
+    return RLContext(
+        session=RecordingSession(),
+        algorithm=AlgorithmConfig(n_samples_per_prompt=2, off_policy_steps=off_policy_steps),
+        data=DataConfig(),
+        prompts=None,
+        tokenizer=None,
+        rewards=None,
+        log=MetricsLog(tmp_path),
+        has_teacher=False,
+    )
+
+
+def test_synchronous_steps_train_on_the_latest_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "collect", fake_collect)
+    ctx = context(tmp_path, off_policy_steps=0)
+    history = run(ctx, 3, tmp_path)
+    assert [h["weight_version"] for h in history] == [0, 1, 2]
+    assert [h["staleness"] for h in history] == [0, 0, 0]
+    names = [n for n, _ in ctx.session.events]
+    assert names == ["rollout-start", "rollout-end", "train-start", "train-end", "sync-1"] + [
+        "rollout-start", "rollout-end", "train-start", "train-end", "sync-2",
+        "rollout-start", "rollout-end", "train-start", "train-end", "sync-3",
+    ]  # fmt: skip
+
+
+def test_off_policy_overlaps_the_next_rollout_with_training_but_not_with_sync(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(loop, "collect", fake_collect)
+    ctx = context(tmp_path, off_policy_steps=1)
+    started = time.perf_counter()
+    history = run(ctx, 4, tmp_path)
+    elapsed = time.perf_counter() - started
+    session = ctx.session
+    # batch k+1 is generated with the weights of step k while step k trains
+    assert [h["weight_version"] for h in history] == [0, 0, 1, 2]
+    assert [h["staleness"] for h in history] == [0, 1, 1, 1]
+    assert [h["samples_stale"] for h in history] == [0, 0, 0, 0]
+    assert not session.synced_while_generating
+    times = dict.fromkeys(("rollout-start", "train-start", "train-end"), [])
+    times = {name: [t for n, t in session.events if n == name] for name in times}
+    for step in range(3):  # rollout of step+1 starts before training of step ends
+        assert times["rollout-start"][step + 1] < times["train-end"][step]
+    assert ctx.skipped_prompts == 4  # one rollout per step, none wasted
+    # 4 overlapped steps take about 5 phases, not the 8 a synchronous run needs
+    assert elapsed < 7 * PHASE_S
+    assert all(h["time/wait"] >= 0 for h in history[:-1]) and "time/wait" not in history[-1]
+
+
+def test_a_failing_background_rollout_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "collect", lambda ctx, s: fake_collect(ctx, s, fail_on=3))
+    ctx = context(tmp_path, off_policy_steps=1)
+    with pytest.raises(RuntimeError, match="rollout engine went away"):
+        run(ctx, 5, tmp_path)
+    # step 1 trained, the rollout of step 3 failed: no sync after the failure
+    assert [n for n, _ in ctx.session.events if n.startswith("sync")] == ["sync-1"]
