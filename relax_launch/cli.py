@@ -81,11 +81,18 @@ def plan_command(
 @main.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
-def run_command(config_path: str, overrides: tuple[str, ...]) -> None:
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue from the newest checkpoint in checkpoint.dir (checkpoint.resume=true).",
+)
+def run_command(config_path: str, overrides: tuple[str, ...], resume: bool) -> None:
     """Validate CONFIG, then run it on this machine as one torchrun job (launch.py).
 
     Exits with the job's code; on failure names the rank and role that failed.
     """
+    if resume:
+        overrides = (*overrides, "checkpoint.resume=true")
     try:
         _, placement, _ = _load_and_plan(config_path, overrides, None, None, require_models=True)
     except ConfigError as exc:

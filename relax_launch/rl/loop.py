@@ -14,6 +14,7 @@ one older than ``off_policy_steps`` is not trained on (``samples_stale``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,11 +25,12 @@ from typing import Any
 
 from relax_launch.rl import rollout
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
-from relax_launch.rl.data import Prompt, PromptStream
+from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.losses import LossSpec, distill_advantages, group_advantages
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
+from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.session import Session
 from relax_launch.trainer.batch import TokenBatch
 
@@ -39,11 +41,13 @@ ROLLOUT_WAIT_S = 900.0
 
 @dataclass
 class RolloutBatch:
-    """One step's scored samples, their metrics and the seconds each phase took."""
+    """One step's scored samples, their metrics, the seconds each phase took, and the prompt
+    position right after its prompts were drawn (what a checkpoint after training it saves)."""
 
     samples: list[Sample]
     metrics: dict[str, float]
     seconds: dict[str, float]
+    cursor: PromptCursor
 
 
 @dataclass
@@ -59,6 +63,9 @@ class RLContext:
     log: MetricsLog
     has_teacher: bool
     skipped_prompts: int = 0
+    checkpoints: Checkpoints | None = None
+    checkpoint_every: int = 0  # steps; 0: only at the end
+    trained_cursor: PromptCursor = field(default_factory=PromptCursor)  # of the last trained batch
     seconds: dict[str, float] = field(default_factory=dict)  # this step's main-thread phases
     background: ThreadPoolExecutor | None = None  # off-policy: where the next rollout runs
     upcoming: Future[RolloutBatch] | None = None  # off-policy: the next step's batch
@@ -90,6 +97,7 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
     ctx.upcoming = None
     if ctx.background is not None and step + 1 < num_steps:
         ctx.upcoming = ctx.background.submit(collect, ctx, {})
+    ctx.trained_cursor = batch.cursor
     stale = drop_stale(batch.samples, trainer_version=step, bound=a.off_policy_steps)
     with timed(ctx.seconds, "train"):
         metrics = ctx.session.train_step(to_batch(batch.samples, a.distill_coef), ctx.spec)
@@ -117,9 +125,11 @@ def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
     """Rollout, teacher scoring, rewards and advantages: everything a train step consumes."""
     a = ctx.algorithm
     with timed(seconds, "rollout"):
+        prompts = next_prompts(ctx)
+        cursor = ctx.prompts.checkpoint()
         samples = rollout.generate(
             ctx.session.gateway_url,
-            next_prompts(ctx),
+            prompts,
             n=a.n_samples_per_prompt,
             temperature=a.temperature,
             max_tokens=ctx.data.max_response_tokens,
@@ -131,7 +141,7 @@ def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
         metrics = ctx.rewards.score(samples)
     assign_advantages(samples, a.n_samples_per_prompt)
     metrics |= sample_metrics(samples, seconds["rollout"])
-    return RolloutBatch(samples, metrics, dict(seconds))
+    return RolloutBatch(samples, metrics, dict(seconds), cursor)
 
 
 def wait_for_rollout(upcoming: Future[RolloutBatch], step: int) -> None:
@@ -224,14 +234,21 @@ def sample_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
     return out
 
 
-def run(ctx: RLContext, num_steps: int, log_dir: Path) -> list[dict[str, float]]:
-    """All steps, with a progress line each; metrics to JSONL, a plot and a summary at the end."""
-    history = []
+def run(
+    ctx: RLContext, num_steps: int, log_dir: Path, start_step: int = 0
+) -> list[dict[str, float]]:
+    """Steps ``start_step`` to ``num_steps`` with a progress line each, checkpoints when due;
+    metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end."""
+    history = list(ctx.log.history)
     if ctx.algorithm.off_policy_steps:
         ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
     try:
-        for step in range(num_steps):
+        for step in range(start_step, num_steps):
             metrics = rl_step(ctx, step, num_steps)
+            if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
+                started = time.perf_counter()
+                save_checkpoint(ctx, step + 1)
+                metrics["time/checkpoint"] = time.perf_counter() - started
             history.append(metrics)
             ctx.log.write(metrics)
             print(ctx.log.progress(metrics, num_steps), flush=True)
@@ -240,3 +257,21 @@ def run(ctx: RLContext, num_steps: int, log_dir: Path) -> list[dict[str, float]]
             ctx.background.shutdown(wait=False, cancel_futures=True)
     ctx.log.finish(history, log_dir)
     return history
+
+
+def checkpoint_due(ctx: RLContext, step: int, num_steps: int) -> bool:
+    every = ctx.checkpoint_every
+    return step == num_steps or (every > 0 and step % every == 0)
+
+
+def save_checkpoint(ctx: RLContext, step: int) -> None:
+    """The trainer shards, then the controller's position, then the completion marker."""
+    directory = ctx.checkpoints.prepare(step)
+    ctx.session.save_trainer(str(directory))
+    state = {
+        "step": step,
+        "prompts": dataclasses.asdict(ctx.trained_cursor),
+        "skipped_prompts": ctx.skipped_prompts,
+    }
+    ctx.checkpoints.complete(step, state)
+    print(f"relax-launch: checkpoint of step {step} in {directory}", flush=True)

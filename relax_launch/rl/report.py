@@ -11,23 +11,31 @@ from PIL import Image, ImageDraw
 
 from relax_launch.rl.tensorboard import EventWriter
 
-PHASE_KEYS = ("rollout", "teacher", "reward", "train", "wait", "sync", "other")
+PHASE_KEYS = ("rollout", "teacher", "reward", "train", "wait", "sync", "checkpoint", "other")
 # One panel per row: its title and the curves it draws (each only when the run has it).
 PANELS = (
     ("reward", ("reward",)),
     ("KL", ("reverse_kl", "kl_ref")),
     ("seconds per phase", tuple(f"time/{p}" for p in PHASE_KEYS)),
 )
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#7f7f7f")
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``{dir}/metrics.jsonl`` (and TensorBoard scalars)."""
+    """Appends one JSON object per step to ``{dir}/metrics.jsonl`` (and TensorBoard scalars).
 
-    def __init__(self, log_dir: Path, tensorboard: bool = False) -> None:
+    ``resume_step`` keeps the rows of steps up to it from an earlier run (in ``history``) and
+    drops later ones, which the resumed run writes again.
+    """
+
+    def __init__(self, log_dir: Path, tensorboard: bool = False, resume_step: int = 0) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
-        self.path.write_text("")
+        self.history: list[dict[str, float]] = []
+        if resume_step and self.path.is_file():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+            self.history = [r for r in rows if r.get("step", 0) <= resume_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         self.events = EventWriter(log_dir) if tensorboard else None
 
     def write(self, metrics: dict[str, float]) -> None:

@@ -55,6 +55,7 @@ def generate(
                 text=reply["text"],
                 weight_version=str(meta.get("weight_version")),
                 finish_reason=(meta.get("finish_reason") or {}).get("type", ""),
+                data_source=prompt.data_source,
             )
         )
     return samples

@@ -18,6 +18,7 @@ class Sample:
     text: str
     weight_version: str
     finish_reason: str = ""
+    data_source: str = "default"  # the prompt's, for reward functions that branch on it
     teacher_logprobs: list[float] | None = None  # written back by teacher scoring
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = 0.0

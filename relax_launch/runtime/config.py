@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from relax_launch.config.section import Section
 
@@ -12,9 +12,24 @@ from relax_launch.config.section import Section
 class CheckpointConfig(Section):
     """Trainer state + step + data position, saved every K steps."""
 
-    dir: str | None = Field(None, description="Checkpoint directory; unset disables saving.")
-    every_steps: int = Field(0, ge=0, description="Save every K steps; 0 saves only at the end.")
-    resume: bool = Field(False, description="Continue from the newest checkpoint in dir.")
+    dir: str | None = Field(
+        None, description="Checkpoint directory ({name} is the job name); unset disables saving."
+    )
+    every_steps: int = Field(
+        0, ge=0, description="Save every K steps; 0 saves only at the end (always when dir is set)."
+    )
+    keep_last: int = Field(2, ge=0, description="Checkpoints kept in dir; 0 keeps every one.")
+    resume: bool = Field(
+        False,
+        description="Continue from the newest complete checkpoint in dir (trainer state, step, "
+        "prompt position); with none there yet, start from the beginning.",
+    )
+
+    @model_validator(mode="after")
+    def _resume_needs_dir(self) -> CheckpointConfig:
+        if self.resume and self.dir is None:
+            raise ValueError("resume needs dir: set checkpoint.dir=PATH, where the run saved")
+        return self
 
 
 class LoggingConfig(Section):

@@ -9,23 +9,35 @@ from typing import Any
 from relax_launch.config.job import JobConfig
 from relax_launch.models.build import ensure_model
 from relax_launch.rl import rollout
-from relax_launch.rl.data import PromptStream, load_prompts
+from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
 from relax_launch.rl.loop import RLContext, run
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
+from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.session import Session, bring_up
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
 
 def rl_program(job: JobConfig) -> Any:
-    """Bring the job up (engines, first weight sync), then run ``algorithm.num_steps`` steps."""
+    """Bring the job up (engines, first weight sync; the newest checkpoint first when resuming),
+    then run the RL steps up to ``algorithm.num_steps``."""
 
     def program(session: Session) -> list[dict[str, float]]:
         from transformers import AutoTokenizer  # rank 0 only: prompts get the chat template
 
-        bring_up(session)
         log_dir = Path(job.logging.dir.format(name=job.name))
+        prompts = PromptStream(
+            load_prompts(job.data.dataset, job.data.seed),
+            shuffle=job.data.shuffle,
+            seed=job.data.seed,
+        )
+        checkpoints = None
+        if job.checkpoint.dir is not None:
+            directory = Path(job.checkpoint.dir.format(name=job.name))
+            checkpoints = Checkpoints(directory, job.checkpoint.keep_last)
+        start, skipped = resume(session, checkpoints, prompts) if job.checkpoint.resume else (0, 0)
+        bring_up(session, weight_version=start)
         judge = None
         if job.genrm is not None:
             judge = functools.partial(
@@ -35,16 +47,34 @@ def rl_program(job: JobConfig) -> Any:
             session=session,
             algorithm=job.algorithm,
             data=job.data,
-            prompts=PromptStream(
-                load_prompts(job.data.dataset, job.data.seed),
-                shuffle=job.data.shuffle,
-                seed=job.data.seed,
-            ),
+            prompts=prompts,
             tokenizer=AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model()))),
             rewards=Rewards(job.reward, judge=judge),
-            log=MetricsLog(log_dir, tensorboard=job.logging.tensorboard),
+            log=MetricsLog(log_dir, tensorboard=job.logging.tensorboard, resume_step=start),
             has_teacher=job.teacher is not None,
+            skipped_prompts=skipped,
+            checkpoints=checkpoints,
+            checkpoint_every=job.checkpoint.every_steps,
         )
-        return run(context, job.algorithm.num_steps, log_dir)
+        return run(context, job.algorithm.num_steps, log_dir, start_step=start)
 
     return program
+
+
+def resume(session: Session, checkpoints: Checkpoints, prompts: PromptStream) -> tuple[int, int]:
+    """Load the newest complete checkpoint into the trainer and the prompt stream; returns the
+    step to continue from and the skipped-prompt count (0, 0 when there is none yet)."""
+    found = checkpoints.newest()
+    if found is None:
+        print(f"relax-launch: no checkpoint in {checkpoints.directory} yet: starting at step 0")
+        return 0, 0
+    step, directory = found
+    state = Checkpoints.controller_state(directory)
+    optimizer_steps = session.load_trainer(str(directory))
+    prompts.restore(PromptCursor(**state["prompts"]))
+    print(
+        f"relax-launch: resuming from {directory}: step {step}, trainer at optimizer step "
+        f"{optimizer_steps}, prompt {state['prompts']['seen']}",
+        flush=True,
+    )
+    return step, state["skipped_prompts"]

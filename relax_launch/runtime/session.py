@@ -148,6 +148,16 @@ class Session:
         )
         return replies[self._last_stage_rank()]
 
+    def save_trainer(self, directory: str) -> list[str]:
+        """Every trainer shard writes its state into ``directory``; returns the files."""
+        replies = self._call("trainer.save", list(self.plan.trainer.ranks), directory=directory)
+        return [path for path in replies.values() if path]
+
+    def load_trainer(self, directory: str) -> int:
+        """Every trainer rank restores its shard; returns the optimizer steps restored."""
+        replies = self._call("trainer.load", list(self.plan.trainer.ranks), directory=directory)
+        return min(replies.values())
+
     def logprobs(self, batch: TokenBatch) -> list[list[float]]:
         replies = self._call(
             "trainer.logprobs", list(self.plan.trainer.ranks), batch=dataclasses.asdict(batch)
@@ -161,16 +171,14 @@ class Session:
         self._call("shutdown", range(self.plan.world_size), timeout_s=60)
 
 
-def bring_up(session: Session) -> dict[str, Any]:
-    """Start-up every job shares: engines ready, weight-sync groups formed, weights version 0.
-
-    Until the RL loop lands this is the whole controller program of ``launch.py``.
-    """
+def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:
+    """Start-up every job shares: engines ready, weight-sync groups formed, the trainer's weights
+    on the rollout engines as ``weight_version`` (the step a resumed run continues from)."""
     urls = session.wait_for_engines()
     reports = []
     if "rollout" in urls:
         session.connect_weight_sync()
-        reports = session.sync_weights(0)
+        reports = session.sync_weights(weight_version)
     summary = {"engines": urls, "gateway": session.gateway_url, "weight_sync": reports}
     print(f"relax-launch: job is up: {summary}", flush=True)
     return summary

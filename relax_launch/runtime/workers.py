@@ -56,6 +56,8 @@ class TrainerWorker:
                 TokenBatch(**batch), LossSpec(**spec) if spec else None
             ),
             "trainer.logprobs": lambda batch: self.trainer.logprobs(TokenBatch(**batch)),
+            "trainer.save": lambda directory: self.trainer.save(Path(directory)),
+            "trainer.load": lambda directory: self.trainer.load(Path(directory)),
             "weights.connect": self.connect,
             "weights.send": self.send,
             "weights.commit": lambda: self.sender and self.sender.commit(),

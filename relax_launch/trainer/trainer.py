@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from relax_launch import platform
 from relax_launch.rl.losses import LossSpec, policy_loss
+from relax_launch.runtime.checkpoint import shard_name
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
@@ -90,6 +91,37 @@ class Trainer:
                 if key in outputs[0]:
                     metrics[key] = sum(float(o[key]) for o in outputs) / len(outputs)
         return metrics
+
+    def save(self, directory: Path) -> str | None:
+        """Write this shard's model and optimizer state (on DP rank 0; other replicas hold the
+        same state). Returns the file written, if any."""
+        if self.pgc.dp.rank() != 0:
+            return None
+        path = directory / shard_name(self.pgc.tp.rank(), self.pgc.pp.rank())
+        state = {
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+        partial = path.with_name(path.name + ".partial")
+        torch.save(state, partial)
+        partial.replace(path)
+        return str(path)
+
+    def load(self, directory: Path) -> int:
+        """Restore this shard's model and optimizer from ``directory``; returns the optimizer
+        steps the checkpoint had taken."""
+        path = directory / shard_name(self.pgc.tp.rank(), self.pgc.pp.rank())
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: the checkpoint was saved with another trainer.tp_size or "
+                f"pp_size than this job's ({self.pgc.tp.size()}, {self.pgc.pp.size()})"
+            )
+        state = torch.load(path, map_location=self.torch_device, weights_only=False)
+        self.model.module.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        return self.step
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch) -> list[list[float]] | None:

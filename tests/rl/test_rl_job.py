@@ -46,15 +46,8 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
 
 
 def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
-    cli = Path(sys.executable).with_name("relax-launch")
     config = Path(__file__).parent / "off_policy_kl_tiny.yaml"
-    result = subprocess.run(
-        [str(cli), "run", str(config), f"logging.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},  # the reward's module
-    )
+    result = run_tiny(config, f"logging.dir={tmp_path}")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # step k+1's samples were generated with step k's weights, while step k trained
@@ -67,3 +60,44 @@ def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
     assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert steps[-1]["kl_ref"] > 1e-4
     assert "stale 1" in result.stdout and "KL-ref" in result.stdout
+
+
+def run_tiny(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cli = Path(sys.executable).with_name("relax-launch")
+    return subprocess.run(
+        [str(cli), "run", str(config), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},  # the reward's module
+    )
+
+
+def test_checkpoints_and_resume_continue_the_run(tmp_path):
+    config = Path(__file__).parent / "off_policy_kl_tiny.yaml"
+    ckpt = tmp_path / "ckpt"
+    common = [f"logging.dir={tmp_path}", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1"]
+    first = run_tiny(config, *common, "algorithm.num_steps=3")
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    before = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert sorted(d.name for d in ckpt.iterdir()) == ["step_000002", "step_000003"]  # keep_last
+    step2 = ckpt / "step_000002"
+    assert sorted(f.name for f in step2.iterdir()) == [
+        "COMPLETE", "controller.json", "trainer_tp0_pp0.pt", "trainer_tp0_pp1.pt",
+    ]  # fmt: skip
+    # Off-policy: step 3's prompts were drawn while step 2 trained, yet the checkpoint of step
+    # 2 points right after step 2's prompts, so a resume from it draws step 3's prompts again.
+    assert json.loads((step2 / "controller.json").read_text())["prompts"]["seen"] == 4
+
+    second = run_tiny(config, *common, "algorithm.num_steps=4", "--resume")
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    assert "step 3, trainer at optimizer step 3, prompt 6" in second.stdout
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert rows[:3] == before  # the first run's steps are kept
+    last = json.loads(rows[3])
+    assert last["step"] == 4
+    assert last["weight_version"] == 3 and last["staleness"] == 0  # synced from the checkpoint
+    # the reference is the initial model, the policy the checkpoint: they differ from the start
+    assert last["kl_ref"] > 1e-4
+    assert sorted(d.name for d in ckpt.iterdir()) == ["step_000003", "step_000004"]
+    assert "finished 4 steps" in second.stdout
