@@ -12,6 +12,7 @@ import pytest
 from relax_launch.config import DataConfig
 from relax_launch.rl import loop
 from relax_launch.rl.config import AlgorithmConfig
+from relax_launch.rl.data import PromptCursor
 from relax_launch.rl.loop import RLContext, RolloutBatch, run
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.samples import Sample
@@ -63,7 +64,8 @@ def fake_collect(ctx: RLContext, seconds: dict[str, float], fail_on: int | None 
         for g in range(2)
     ]
     seconds["rollout"] = PHASE_S
-    return RolloutBatch(samples, {"reward": 1.0, "tokens_per_s": 1.0}, dict(seconds))
+    cursor = PromptCursor(seen=ctx.skipped_prompts)
+    return RolloutBatch(samples, {"reward": 1.0, "tokens_per_s": 1.0}, dict(seconds), cursor)
 
 
 def context(tmp_path, off_policy_steps: int) -> RLContext:
