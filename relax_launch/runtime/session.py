@@ -68,20 +68,18 @@ class Session:
         """Each pipeline stage's source rank forms its broadcast group with the rollout engines."""
         urls = self.engine_urls.get("rollout") or self.wait_for_engines()["rollout"]
         rollout = self.plan.engines_of("rollout")
-        label = "rollout engine {} (rank {})".format
-        self.sync_targets = [
-            EngineTarget(url, 0, label(i, rollout[i].head_rank)) for i, url in enumerate(urls)
-        ]
-        for group in self.plan.weight_sync_groups:
-            targets = [
-                (urls[index], offset, label(index, rollout[index].head_rank))
+        for group in self.plan.weight_sync_groups:  # every group reaches the same engines
+            self.sync_targets = [
+                EngineTarget(
+                    urls[index], offset, f"rollout engine {index} (rank {rollout[index].head_rank})"
+                )
                 for index, offset in group.engine_rank_offsets
             ]
             self._call(
                 "weights.connect",
                 [group.source_rank],
                 pp_rank=group.pp_rank,
-                targets=targets,
+                targets=[dataclasses.astuple(t) for t in self.sync_targets],
                 world_size=group.world_size,
             )
 
