@@ -56,7 +56,7 @@ class Trainer:
         self.reference = None
         if reference:
             self.reference = build_gpt_module(self.shape, section, pgc, self.torch_device)
-            load_hf_checkpoint(self.reference, model_dir, self.shape, pgc)
+            self.reference.load_state_dict(self.model.module.state_dict())  # no second read
             self.reference.requires_grad_(False).eval()
         self.optimizer = build_optimizer(
             self.model, section, pgc, platform.megatron_clip_grad(device, section.clip_grad)
