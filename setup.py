@@ -59,5 +59,9 @@ setup(
         "gpu": RUNTIME_DEPS + ["sglang"],
         "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis"],
     },
-    entry_points={"console_scripts": ["relax-launch=relax_launch.cli:main"]},
+    entry_points={
+        "console_scripts": ["relax-launch=relax_launch.cli:main"],
+        # Loaded by SGLang in its processes: in-place receive for weight sync.
+        "sglang.srt.plugins": ["relax_launch_weights=relax_launch.weights.receiver:register"],
+    },
 )

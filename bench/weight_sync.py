@@ -1,81 +1,130 @@
-"""Benchmark: trainer -> SGLang weight sync of SmolLM2-135M (about 538 MB fp32), 1 and 2 engines.
+"""Benchmark: trainer -> SGLang weight sync, 1 and 2 engines, SmolLM2-135M (538 MB fp32) and a
+synthetic Llama of about 2 GB.
 
 Compares, in one run, over the same kind of gloo group on this machine:
-  ours       relax-launch's WeightSender: fixed-size buckets (one engine request each, one
-             broadcast per tensor) + versioned session + host copy kept for rollback
+  ours       relax-launch's sync as the controller runs it: update session, one in-place update
+             request per engine (version + cache flush on it), tensors streamed in the engine's
+             fused layout; its rollback copy is made after the commit, off the critical path
+             (timed separately)
   ceiling    one flat buffer of the same bytes broadcast raw to plain receiver processes
-  per-tensor SGLang's update_weights_from_distributed: one request, one broadcast per tensor
+  per-tensor SGLang's stock update_weights_from_distributed: one request, one broadcast per
+             tensor in HF layout, the engine allocates and then loads (cache flushed too)
   disk       save safetensors, then update_weights_from_disk on every engine
-and prints GB/s and ratios. Each method runs WARMUP times untimed first: weight sync repeats
-every training step, so the steady state is what counts (ours allocates its rollback copy in
-its first two syncs). Run: ``.venv/bin/python bench/weight_sync.py [--engines 1 2]``.
+and prints seconds, GB/s, ratios and ours split into phases (control = session open/close,
+transfer = waiting on broadcasts, engine = after the last broadcast until every engine answered).
+The methods that need engines run in interleaved rounds (a slow spell of the machine hits each of
+them); the ceiling runs after the engines have stopped, as the machine's own floor. The first
+WARMUP rounds are not counted: sync repeats every step, the steady state counts.
+Run: ``.venv/bin/python bench/weight_sync.py [--engines 1 2] [--models smollm2 synthetic-2gb]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import shutil
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from timing import median_seconds
 
 from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
-from relax_launch.weights.config import WeightSyncConfig
-from relax_launch.weights.engine_client import Background, post
-from relax_launch.weights.sync import WeightSender, custom_group, dtype_name
-from relax_launch.weights.update_session import EngineTarget, UpdateSession
+from relax_launch.trainer.hf_conversion import fuse_for_engine
+from relax_launch.weights.engine_client import post, result
+from relax_launch.weights.sync import TensorSpec, WeightSender, custom_group, dtype_name
+from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
 
-REPEATS = 3
+REPEATS = 5
 WARMUP = 2
-
-
-def timed(fn) -> float:
-    return median_seconds(fn, REPEATS, WARMUP)
+ROUNDS = WARMUP + REPEATS
+TIMEOUT_S = 600
 
 
 def _receiver(port: int, rank: int, world: int, nbytes: int) -> None:
-    group = _sender_group_as(rank, port, world)
+    group = custom_group("gloo", "127.0.0.1", port, world, rank, "ceiling", TIMEOUT_S)
     buffer = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(WARMUP + REPEATS):
+    for _ in range(ROUNDS):
         dist.broadcast(buffer, group=group, group_src=0)
     dist.destroy_process_group(group)
 
 
-def _sender_group_as(rank: int, port: int, world: int) -> dist.ProcessGroup:
-    return custom_group("gloo", "127.0.0.1", port, world, rank, "ceiling", 120)
+class Ceiling:
+    """Plain receiver processes, one per engine: one raw broadcast of all the bytes per call."""
+
+    def __init__(self, nbytes: int, receivers: int) -> None:
+        port = free_port()
+        self.procs = [
+            mp.get_context("spawn").Process(
+                target=_receiver, args=(port, r + 1, receivers + 1, nbytes)
+            )
+            for r in range(receivers)
+        ]
+        for p in self.procs:
+            p.start()
+        self.group = custom_group("gloo", "127.0.0.1", port, receivers + 1, 0, "ceiling", TIMEOUT_S)
+        self.buffer = torch.ones(nbytes, dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        dist.broadcast(self.buffer, group=self.group, group_src=0)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(60)
+        dist.destroy_process_group(self.group)
 
 
-def ceiling(nbytes: int, receivers: int) -> float:
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, nbytes))
-        for r in range(receivers)
-    ]
-    for p in procs:
-        p.start()
-    group = _sender_group_as(0, port, receivers + 1)
-    buffer = torch.ones(nbytes, dtype=torch.uint8)
-    seconds = timed(lambda: dist.broadcast(buffer, group=group, group_src=0))
-    for p in procs:
-        p.join(60)
-    dist.destroy_process_group(group)
-    return seconds
+def _timed_rounds(method) -> list[float]:
+    times = []
+    for _ in range(ROUNDS):
+        began = time.perf_counter()
+        method()
+        times.append(time.perf_counter() - began)
+    return times
 
 
-def ours(sender: WeightSender, weights: dict[str, torch.Tensor], version: int) -> None:
-    """What ``Session.sync_weights`` does for one pipeline stage."""
-    engines = UpdateSession(sender.targets, 300)
-    engines.open()
-    sender.send(weights.items(), version)
-    engines.commit(version)
-    engines.close()
-    sender.commit()
+class Ours:
+    """What ``Session.sync_weights`` does for one pipeline stage, with its phase times."""
+
+    def __init__(self, sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
+        self.sender, self.weights = sender, weights
+        self.manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
+        self.version, self.phases, self.copy_s = 0, [], []
+
+    def __call__(self) -> None:
+        self.version += 1
+        deadline = Deadline(TIMEOUT_S)
+        engines = UpdateSession(self.sender.targets, deadline, self.sender.control)
+        began = time.monotonic()
+        engines.open()
+        control = time.monotonic() - began
+        report = self.sender.send(self.weights.items(), self.manifest, self.version, TIMEOUT_S)
+        began = time.monotonic()
+        engines.close()
+        control += time.monotonic() - began
+        self.sender.commit()
+        self.phases.append(
+            {
+                "control": control,
+                "transfer": report.transfer_s,
+                "engine": report.engine_s,
+                "total": report.seconds + control,
+            }
+        )
+        self.copy_s.append(report.rollback_copy_s)
+
+    def settle(self) -> None:
+        """Let the background rollback copy finish outside the timed region (rollout time)."""
+        self.sender.wait_for_rollback_copy()
+
+    def phase_medians(self) -> dict[str, float]:
+        timed_runs = self.phases[WARMUP:]
+        return {k: statistics.median(p[k] for p in timed_runs) for k in timed_runs[0]}
 
 
 def per_tensor(sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
@@ -84,23 +133,27 @@ def per_tensor(sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
         "dtypes": [dtype_name(t.dtype) for t in weights.values()],
         "shapes": [list(t.shape) for t in weights.values()],
         "group_name": sender.group_name,
-        "flush_cache": False,
+        "flush_cache": True,
     }
     for t in sender.targets:
-        post(t.url, "/begin_weight_update", {}, 120)
+        post(t.url, "/begin_weight_update", {}, TIMEOUT_S)
     calls = [
-        Background(t.url, "/update_weights_from_distributed", body, 300) for t in sender.targets
+        sender.control.submit(t.url, "/update_weights_from_distributed", body, TIMEOUT_S)
+        for t in sender.targets
     ]
     for tensor in weights.values():
         dist.broadcast(tensor, group=sender.group, group_src=0)
     for call in calls:
-        call.result(300)
+        result(call, TIMEOUT_S)
     for t in sender.targets:
-        post(t.url, "/end_weight_update", {}, 120)
+        post(t.url, "/end_weight_update", {}, TIMEOUT_S)
 
 
 def from_disk(
-    servers: list[SGLangServer], weights: dict[str, torch.Tensor], model_dir: Path
+    sender: WeightSender,
+    servers: list[SGLangServer],
+    weights: dict[str, torch.Tensor],
+    model_dir: Path,
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for f in model_dir.iterdir():
@@ -108,14 +161,60 @@ def from_disk(
                 (Path(tmp) / f.name).write_bytes(f.read_bytes())
         save_file(weights, str(Path(tmp) / "model.safetensors"))
         calls = [
-            Background(s.url, "/update_weights_from_disk", {"model_path": tmp}, 300)
+            sender.control.submit(
+                s.url, "/update_weights_from_disk", {"model_path": tmp}, TIMEOUT_S
+            )
             for s in servers
         ]
         for call in calls:
-            call.result(300)
+            result(call, TIMEOUT_S)
 
 
-def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir: Path) -> None:
+def synthetic_model(out: Path, layers: int = 9) -> Path:
+    """A random Llama of about 2 GB fp32 (hidden 2048, GQA 32/8 heads, ffn 5632, SmolLM2's
+    vocabulary and tokenizer), written once into ``out``."""
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    smollm2 = ensure_model("builtin:smollm2-135m-instruct")
+    for f in smollm2.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    hidden, ffn, heads, kv, vocab = 2048, 5632, 32, 8, config["vocab_size"]
+    config.update(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=layers,
+        head_dim=hidden // heads,
+        tie_word_embeddings=True,
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    gen, kv_rows = torch.Generator().manual_seed(0), kv * hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv_rows, hidden),
+            p + "self_attn.v_proj.weight": (kv_rows, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    tensors = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
+    weights = load_file(str(model_dir / "model.safetensors"))
+    fused = fuse_for_engine(weights)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     servers = [
         SGLangServer(
@@ -128,7 +227,7 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
     ]
     try:
         for s in servers:
-            s.start(timeout_s=300)
+            s.start(timeout_s=TIMEOUT_S)
         sender = WeightSender(
             targets=[EngineTarget(s.url, 1 + i, f"engine {i}") for i, s in enumerate(servers)],
             world_size=1 + engines,
@@ -136,41 +235,70 @@ def run(engines: int, model_dir: Path, weights: dict[str, torch.Tensor], log_dir
             host="127.0.0.1",
             port=free_port(),
             backend="gloo",
-            bucket_bytes=WeightSyncConfig().bucket_size_mb * 2**20,
-            timeout_s=300,
         )
-        sender.connect()
-        version = iter(range(1000))
-        results = {
-            "ours": timed(lambda: ours(sender, weights, next(version))),
-            "per-tensor": timed(lambda: per_tensor(sender, weights)),
-            "disk": timed(lambda: from_disk(servers, weights, model_dir)),
+        sender.connect(TIMEOUT_S)
+        ours = Ours(sender, fused)
+        methods = {
+            "ours": ours,
+            "per-tensor": lambda: per_tensor(sender, weights),
+            "disk": lambda: from_disk(sender, servers, weights, model_dir),
         }
+        times = {name: [] for name in methods}
+        for _ in range(ROUNDS):  # interleaved: a slow spell of the machine hits every method
+            for name, method in methods.items():
+                began = time.perf_counter()
+                method()
+                times[name].append(time.perf_counter() - began)
+                ours.settle()  # untimed: in the loop the copy overlaps rollout
+        results = {name: statistics.median(t[WARMUP:]) for name, t in times.items()}
+        results["ours"] = ours.phase_medians()["total"]
+        phases, copy_s = ours.phase_medians(), statistics.median(ours.copy_s[WARMUP:])
         sender.close()
     finally:
         for s in servers:
             s.stop()
-    results["ceiling"] = ceiling(nbytes, engines)
+    ceiling = Ceiling(nbytes, engines)  # with the engines gone: the machine's own floor
+    results["ceiling"] = statistics.median(_timed_rounds(ceiling)[WARMUP:])
+    ceiling.close()
     gb = nbytes / 1e9
-    print(f"\n{engines} engine(s), {gb:.3f} GB, median of {REPEATS} after {WARMUP} warm-up:")
+    print(
+        f"\n{model_dir.name}, {engines} engine(s), {gb:.3f} GB, "
+        f"median of {REPEATS} after {WARMUP} warm-up:"
+    )
     for name, seconds in results.items():
         print(
             f"  {name:<11} {seconds:6.3f} s  {gb / seconds:5.2f} GB/s  "
             f"speed relative to ours: {results['ours'] / seconds:.2f}"
         )
+    print(
+        "  ours by phase: "
+        + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items())
+        + f"; rollback copy (after commit, off the critical path) {copy_s:.3f} s"
+    )
     print(f"  ours / ceiling = {results['ceiling'] / results['ours']:.2f} (target >= 0.85)")
+    return results
 
 
 def main() -> None:
     torch.set_num_threads(1)  # as on a torchrun rank (OMP_NUM_THREADS=1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["smollm2", "synthetic-2gb"],
+        choices=["smollm2", "synthetic-2gb"],
+    )
     args = parser.parse_args()
-    model_dir = ensure_model("builtin:smollm2-135m-instruct")
-    weights = load_file(str(model_dir / "model.safetensors"))
-    with tempfile.TemporaryDirectory() as logs:
-        for engines in args.engines:
-            run(engines, model_dir, weights, Path(logs))
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {
+            "smollm2": lambda: ensure_model("builtin:smollm2-135m-instruct"),
+            "synthetic-2gb": lambda: synthetic_model(Path(tmp) / "synthetic-2gb"),
+        }
+        for model in args.models:
+            model_dir = dirs[model]()
+            for engines in args.engines:
+                run(engines, model_dir, Path(tmp))
 
 
 if __name__ == "__main__":

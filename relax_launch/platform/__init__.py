@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 Device = Literal["cpu", "cuda"]
 STAND_INS_DIR = Path(__file__).parent / "stand_ins"
@@ -77,3 +80,19 @@ def engine_base_device(device: Device, local_rank: int) -> int:
     On the CPU SGLang reads it as a NUMA node index, and this machine kind has one node.
     """
     return local_rank if device == "cuda" else 0
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """A host tensor shaped like ``like`` to copy it into: pinned when ``like`` is on a GPU (so
+    the copy runs asynchronously), plain host memory on the CPU."""
+    import torch
+
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for copies issued on ``device`` (a no-op on the CPU, where copies are synchronous)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -105,8 +105,9 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
         with timed(ctx.seconds, "wait"):  # the engines must be idle before they take weights
             wait_for_rollout(ctx.upcoming, step + 1)
     with timed(ctx.seconds, "sync"):
-        ctx.session.sync_weights(step + 1)
+        reports = ctx.session.sync_weights(step + 1)
     total = time.perf_counter() - started
+    metrics |= sync_metrics(reports, ctx.seconds["sync"])
     versions = [int(s.weight_version) for s in batch.samples]
     metrics |= batch.metrics
     metrics |= {f"time/{k}": v for k, v in (batch.seconds | ctx.seconds).items()}
@@ -119,6 +120,14 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
         "data/skipped_long_prompts": ctx.skipped_prompts,
         **metrics,
     }
+
+
+def sync_metrics(reports: list[dict[str, float]], seconds: float) -> dict[str, float]:
+    """Where one weight sync spent its time (the slowest pipeline stage per phase), and GB/s."""
+    phases = ("export_s", "transfer_s", "engine_s", "control_s", "rollback_copy_s")
+    metrics = {f"sync/{p}": max(r[p] for r in reports) for p in phases if reports}
+    metrics["sync/gb_per_s"] = sum(r["num_bytes"] for r in reports) / 1e9 / max(seconds, 1e-9)
+    return metrics
 
 
 def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:

@@ -49,7 +49,6 @@ def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> l
                         model_dir=ensure_model(job.trainer.model),
                         pgc=pgc,
                         device=device,
-                        sync=job.weight_sync,
                         plan=plan,
                         reference=job.algorithm.kl_coef > 0,
                     )

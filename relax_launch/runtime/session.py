@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any
 
 from relax_launch.inference.control_plane import ControlPlane
@@ -15,8 +16,17 @@ from relax_launch.placement.plan import PlacementPlan
 from relax_launch.rl.losses import LossSpec
 from relax_launch.runtime.control import ControlChannel, RemoteError
 from relax_launch.trainer.batch import TokenBatch
-from relax_launch.weights.engine_client import EngineRequestError
-from relax_launch.weights.update_session import EngineTarget, UpdateSession, WeightSyncError
+from relax_launch.weights.engine_client import EngineControl, EngineRequestError
+from relax_launch.weights.update_session import (
+    Deadline,
+    EngineTarget,
+    UpdateSession,
+    WeightSyncError,
+)
+
+# A rank's own deadline error names what it waited for; the channel's reply timeout, a little
+# later, only that the rank did not answer.
+REPLY_MARGIN_S = 10.0
 
 
 class Session:
@@ -37,6 +47,7 @@ class Session:
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.engine_urls: dict[str, list[str]] = {}
         self.sync_targets: list[EngineTarget] = []
+        self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
 
     def _call(
@@ -68,6 +79,8 @@ class Session:
         """Each pipeline stage's source rank forms its broadcast group with the rollout engines."""
         urls = self.engine_urls.get("rollout") or self.wait_for_engines()["rollout"]
         rollout = self.plan.engines_of("rollout")
+        # An engine with one rank holds q/k/v and gate/up fused: send them so, received in place.
+        fused = all(e.tp_size == 1 and e.pp_size == 1 for e in rollout)
         for group in self.plan.weight_sync_groups:  # every group reaches the same engines
             self.sync_targets = [
                 EngineTarget(
@@ -78,33 +91,43 @@ class Session:
             self._call(
                 "weights.connect",
                 [group.source_rank],
+                timeout_s=self.weight_sync_timeout_s + REPLY_MARGIN_S,
                 pp_rank=group.pp_rank,
                 targets=[dataclasses.astuple(t) for t in self.sync_targets],
                 world_size=group.world_size,
+                fused=fused,
+                seconds_left=self.weight_sync_timeout_s,
             )
 
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
         """Push the trainer's weights to every rollout engine as ``weight_version``, all or
-        nothing: one update session per engine, every pipeline stage sends into it, then the
-        version is committed; if any stage fails, every stage restores the last committed copy.
+        nothing, within ``weight_sync.timeout_s`` for the whole sync: one update session per
+        engine, every pipeline stage streams into it with one request per engine that sets the
+        version and flushes the prefix cache; if any stage fails, every stage restores the last
+        committed copy.
 
         The rollout model is not routable while the sync runs; it is once every engine serves
         the new version, and a failed (restored) sync leaves readiness as it was before.
         """
         rollout = self.control_plane.managers.get("rollout") if self.control_plane else None
         replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
-        engines = UpdateSession(self.sync_targets, self.weight_sync_timeout_s)
+        deadline = Deadline(self.weight_sync_timeout_s)
+        engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
         if rollout is not None:
             rollout.weights_updating()
         try:
+            began = time.monotonic()
             engines.open()
+            control_s = time.monotonic() - began
             try:
-                replies = self._send_or_restore(replica0, engines, weight_version)
+                replies = self._send_or_restore(replica0, deadline, weight_version)
             except BaseException:
-                with contextlib.suppress(EngineRequestError):  # keep the sync's own error
-                    engines.close()
+                with contextlib.suppress(EngineRequestError, WeightSyncError):
+                    engines.close()  # keep the sync's own error
                 raise
+            began = time.monotonic()
             engines.close()
+            control_s += time.monotonic() - began
             self._call("weights.commit", replica0)
         except BaseException:
             if rollout is not None:
@@ -113,29 +136,42 @@ class Session:
         if rollout is not None:
             rollout.weights_committed(weight_version)
         self.weight_version = weight_version
-        return [r for r in replies.values() if r is not None]
+        return [{**r, "control_s": control_s} for r in replies.values() if r is not None]
 
     def _send_or_restore(
-        self, replica0: list[int], engines: UpdateSession, weight_version: int
+        self, replica0: list[int], deadline: Deadline, weight_version: int
     ) -> dict[int, Any]:
         try:
-            replies = self._call("weights.send", replica0, weight_version=weight_version)
-            engines.commit(weight_version)
-            return replies
+            left = deadline.left("sending")
+            return self._call(
+                "weights.send",
+                replica0,
+                timeout_s=left + REPLY_MARGIN_S,
+                weight_version=weight_version,
+                seconds_left=left,
+            )
         except (RemoteError, RuntimeError) as cause:
             failed = f"weight sync to version {weight_version} failed ({cause})"
+            previous = self.weight_version
             try:
-                restored = any(self._call("weights.restore", replica0).values())
+                left = deadline.left("restoring") if previous is not None else 0.0
+                restored = previous is not None and any(
+                    self._call(
+                        "weights.restore",
+                        replica0,
+                        timeout_s=left + REPLY_MARGIN_S,
+                        weight_version=previous,
+                        seconds_left=left,
+                    ).values()
+                )
             except (RemoteError, RuntimeError) as again:
                 raise WeightSyncError(
-                    f"{failed} and restoring version {self.weight_version} failed too "
+                    f"{failed} and restoring version {previous} failed too "
                     f"({again}): engines hold mixed weights"
                 ) from cause
             if not restored:
                 raise WeightSyncError(f"{failed}; no earlier version to restore") from cause
-            raise WeightSyncError(
-                f"{failed}; engines restored to version {self.weight_version}"
-            ) from cause
+            raise WeightSyncError(f"{failed}; engines restored to version {previous}") from cause
 
     def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
         replies = self._call(
@@ -167,6 +203,7 @@ class Session:
 
     def shutdown(self) -> None:
         self._call("shutdown", range(self.plan.world_size), timeout_s=60)
+        self.engine_control.close()
 
 
 def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:

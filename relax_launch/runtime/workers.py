@@ -18,8 +18,7 @@ from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.rl.losses import LossSpec
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
-from relax_launch.weights.config import WeightSyncConfig
-from relax_launch.weights.sync import WeightSender
+from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import EngineTarget
 
 
@@ -38,7 +37,6 @@ class TrainerWorker:
         model_dir: Path,
         pgc: Any,
         device: platform.Device,
-        sync: WeightSyncConfig,
         plan: PlacementPlan,
         reference: bool = False,
     ) -> None:
@@ -47,25 +45,48 @@ class TrainerWorker:
         self.trainer = Trainer(
             section=section, model_dir=model_dir, pgc=pgc, device=device, reference=reference
         )
-        self.sync_config, self.plan, self.device = sync, plan, device
+        self.plan, self.device = plan, device
         self.sender: WeightSender | None = None
+        self.fused = False
+        self.manifest: list[TensorSpec] = []
 
     def handlers(self) -> dict[str, Any]:
         return {
-            "trainer.train_step": lambda batch, spec=None: self.trainer.train_step(
-                TokenBatch(**batch), LossSpec(**spec) if spec else None
+            "trainer.train_step": lambda batch, spec=None: self._changing_weights(
+                self.trainer.train_step, TokenBatch(**batch), LossSpec(**spec) if spec else None
             ),
             "trainer.logprobs": lambda batch: self.trainer.logprobs(TokenBatch(**batch)),
             "trainer.save": lambda directory: self.trainer.save(Path(directory)),
-            "trainer.load": lambda directory: self.trainer.load(Path(directory)),
+            "trainer.load": lambda directory: self._changing_weights(
+                self.trainer.load, Path(directory)
+            ),
             "weights.connect": self.connect,
             "weights.send": self.send,
             "weights.commit": lambda: self.sender and self.sender.commit(),
-            "weights.restore": lambda: bool(self.sender and self.sender.restore()),
+            "weights.restore": lambda weight_version, seconds_left: bool(
+                self.sender and self.sender.restore(weight_version, seconds_left)
+            ),
         }
 
-    def connect(self, pp_rank: int, targets: list[tuple[str, int, str]], world_size: int) -> None:
-        """Form this stage's broadcast group with every rollout engine worker."""
+    def _changing_weights(self, method: Any, *args: Any) -> Any:
+        """Run a command that changes the parameters once the last sync's rollback copy, which
+        reads them in the background, is done."""
+        if self.sender is not None:
+            self.sender.wait_for_rollback_copy()
+        return method(*args)
+
+    def connect(
+        self,
+        pp_rank: int,
+        targets: list[tuple[str, int, str]],
+        world_size: int,
+        fused: bool,
+        seconds_left: float,
+    ) -> None:
+        """Form this stage's broadcast group with every rollout engine worker. ``fused``: the
+        engines hold q/k/v and gate/up fused (one engine TP rank), so they are sent that way."""
+        self.fused = fused
+        self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(fused)]
         host = node_address(self.plan)
         self.sender = WeightSender(
             targets=[EngineTarget(*t) for t in targets],
@@ -74,20 +95,18 @@ class TrainerWorker:
             host=host,
             port=free_port(host),
             backend=platform.dist_backend(self.device),
-            bucket_bytes=self.sync_config.bucket_size_mb * 2**20,
-            timeout_s=self.sync_config.timeout_s,
         )
-        self.sender.connect()
+        self.sender.connect(seconds_left)
 
-    def send(self, weight_version: int) -> dict[str, Any] | None:
-        """Export this stage's weights (all of DP replica 0 gathers TP); the source sends them
+    def send(self, weight_version: int, seconds_left: float) -> dict[str, Any] | None:
+        """Export this stage's weights (all of DP replica 0 gathers TP); the source streams them
         into the update session the controller opened."""
-        named = self.trainer.export_hf_weights()
+        named = self.trainer.export_hf_weights(self.fused)
         if self.sender is None:
             for _ in named:  # take part in the TP gathers
                 pass
             return None
-        return self.sender.send(named, weight_version).__dict__
+        return self.sender.send(named, self.manifest, weight_version, seconds_left).__dict__
 
     def close(self) -> None:
         if self.sender is not None:

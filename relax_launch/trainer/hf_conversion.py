@@ -146,11 +146,20 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(
-    name: str, full: torch.Tensor, shape: LlamaShape, *, tp_size: int, layer_offset: int
+    name: str,
+    full: torch.Tensor,
+    shape: LlamaShape,
+    *,
+    tp_size: int,
+    layer_offset: int,
+    fused: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of one TP-gathered Megatron parameter of a PP stage.
 
-    ``full`` is the concatenation of the TP shards along ``tp_split_dim(name)``.
+    ``full`` is the concatenation of the TP shards along ``tp_split_dim(name)``. With ``fused``,
+    q/k/v and gate/up come as the serving engine's fused parameters (``qkv_proj`` = [q; k; v],
+    ``gate_up_proj`` = [gate; up]), the layout an engine with one TP rank holds, so it can
+    receive them in place; with a single trainer TP rank, ``gate_up_proj`` is ``full`` itself.
     """
     if name in _TOP_PARAMS:
         if not (name == "output_layer.weight" and shape.tie_embeddings):
@@ -160,6 +169,9 @@ def megatron_to_hf(
     prefix = f"model.layers.{int(local) + layer_offset}."
     if suffix == "self_attention.linear_qkv.weight":
         q, k, v = _unfuse_qkv(shape, full)
+        if fused:
+            yield prefix + "self_attn.qkv_proj.weight", torch.cat([q, k, v])
+            return
         yield from (
             (prefix + "self_attn.q_proj.weight", q),
             (prefix + "self_attn.k_proj.weight", k),
@@ -167,7 +179,32 @@ def megatron_to_hf(
         )
     elif suffix == "mlp.linear_fc1.weight":
         halves = full.view(tp_size, 2, -1, full.shape[-1])
-        yield prefix + "mlp.gate_proj.weight", halves[:, 0].reshape(-1, full.shape[-1])
-        yield prefix + "mlp.up_proj.weight", halves[:, 1].reshape(-1, full.shape[-1])
+        gate = halves[:, 0].reshape(-1, full.shape[-1])
+        up = halves[:, 1].reshape(-1, full.shape[-1])
+        if fused:
+            yield (
+                prefix + "mlp.gate_up_proj.weight",
+                full if tp_size == 1 else torch.cat([gate, up]),
+            )
+            return
+        yield prefix + "mlp.gate_proj.weight", gate
+        yield prefix + "mlp.up_proj.weight", up
     else:
         yield prefix + _LAYER_PARAMS[suffix][0], full
+
+
+def fuse_for_engine(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF Llama tensors in the layout a one-rank SGLang engine holds (``qkv_proj``,
+    ``gate_up_proj``): what ``megatron_to_hf(fused=True)`` yields, from an HF state dict."""
+    out = {}
+    for name, tensor in hf.items():
+        if name.endswith("q_proj.weight"):
+            base = name.removesuffix("q_proj.weight")
+            parts = [hf[base + p + "_proj.weight"] for p in "qkv"]
+            out[base + "qkv_proj.weight"] = torch.cat(parts)
+        elif name.endswith("gate_proj.weight"):
+            base = name.removesuffix("gate_proj.weight")
+            out[base + "gate_up_proj.weight"] = torch.cat([tensor, hf[base + "up_proj.weight"]])
+        elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+            out[name] = tensor
+    return out

@@ -201,11 +201,11 @@ class Trainer:
             **extra,
         )
 
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, fused: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's weights under HF names, TP-gathered; yields on the stage's tp0/dp0 rank.
 
         Every rank of data-parallel replica 0 must iterate it to the end (TP gathers); other
-        replicas yield nothing.
+        replicas yield nothing. ``fused``: q/k/v and gate/up in the engine's fused layout.
         """
         if self.pgc.dp.rank() != 0:
             return
@@ -220,8 +220,27 @@ class Trainer:
                 full = torch.cat(parts, dim=dim)
             if tp.rank() == 0:
                 yield from megatron_to_hf(
-                    name, full, self.shape, tp_size=tp.size(), layer_offset=offset
+                    name, full, self.shape, tp_size=tp.size(), layer_offset=offset, fused=fused
                 )
+
+    def export_manifest(self, fused: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor ``export_hf_weights(fused)`` yields, in order,
+        computed on shapes alone (meta tensors): no gather, no memory."""
+        tp_size = self.pgc.tp.size()
+        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
+        manifest = []
+        for name, param in self.model.module.named_parameters():
+            shape, dim = list(param.shape), tp_split_dim(name)
+            if dim is not None:
+                shape[dim] *= tp_size
+            full = torch.empty(shape, dtype=param.dtype, device="meta")
+            for hf_name, tensor in megatron_to_hf(
+                name, full, self.shape, tp_size=tp_size, layer_offset=offset, fused=fused
+            ):
+                manifest.append(
+                    (hf_name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+                )
+        return manifest
 
 
 def _forward_step(

@@ -10,9 +10,6 @@ from relax_launch.config.section import Section
 class WeightSyncConfig(Section):
     """How trained weights reach the rollout engines."""
 
-    bucket_size_mb: int = Field(
-        512, ge=1, description="Most bytes one engine request of a sync carries, MiB."
-    )
     timeout_s: float = Field(
         300.0,
         gt=0,

@@ -1,36 +1,47 @@
-"""WeightSender: push HF-named tensors from a trainer source rank into SGLang engines.
+"""WeightSender: stream a trainer stage's weights into SGLang engines, straight into their
+parameters.
 
 One sender per pipeline stage. It rendezvouses a process group with every rollout engine worker
 (SGLang's ``init_weights_update_group``; the sender is rank 0). Within an update session the
-controller has opened on every engine (``update_session.py``), ``send`` ships the stage's
-tensors in fixed-size buckets: one ``update_weights_from_distributed`` request per bucket, one
-broadcast per tensor, straight from the exported tensor.
+controller has opened on every engine (``update_session.py``), ``send`` makes **one**
+``update_weights_from_distributed`` request per engine, carrying the stage's manifest (names,
+dtypes, shapes: fixed for a job, so built once), the ``weight_version`` and a cache flush, and
+then broadcasts each tensor as the trainer's export yields it, a few broadcasts in flight, so the
+export (TP gather, layout conversion) overlaps the transfer. The engine receives each tensor
+into its parameter (``receiver.py``).
 
-Per-tensor broadcasts rather than SGLang's ``flattened_bucket`` format: the engine allocates its
-receive buffers anew for every request, and a flat buffer over 32 MiB is a fresh mapping whose
-every page faults (on a new CPU engine, every page of every sync), while tensor-sized buffers
-come back warm from the allocator's heap; the broadcast needs no packing copy first, and a
-bucket may mix dtypes. Fewer, larger buckets save the engine's fixed cost per request.
-
-SGLang applies a bucket as it arrives, so all-or-nothing is made here: the sender keeps a host
-copy of what it last sent; the controller ``commit``s it once every stage has sent, or asks every
-stage to ``restore`` (send the last committed copy again) when any stage failed. Bucket k is
-copied while the engines load it, when the sender would otherwise wait, into the buffers of the
-copy before the last (so after two syncs a copy allocates nothing).
+All-or-nothing is made here: once every stage has sent and the controller ``commit``s, the
+sender copies what it sent to host buffers (reused from sync to sync) in the background, while
+rollout runs and the trainer is idle, so the copy is off the sync's critical path; the trainer
+waits for it (``wait_for_rollback_copy``) before it changes its parameters again. If any stage
+fails, every stage ``restore``s: it sends that copy again, with its version.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from relax_launch.weights.engine_client import Background, EngineRequestError, post
-from relax_launch.weights.update_session import EngineTarget, WeightSyncError, await_all
+from relax_launch import platform
+from relax_launch.weights.engine_client import EngineControl, EngineRequestError
+from relax_launch.weights.receiver import IN_PLACE
+from relax_launch.weights.update_session import (
+    Deadline,
+    EngineTarget,
+    WeightSyncError,
+    await_all,
+)
+
+IN_FLIGHT = 4  # broadcasts queued ahead of the one being waited on
+WATCH_S = 1.0  # while a broadcast waits, how often to check that no engine gave up
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -38,60 +49,50 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@dataclass
-class Bucket:
-    """Tensors sent by one engine request, in order."""
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a stage's export, as the engine allocates and names it."""
 
-    names: list[str] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    nbytes: int = 0
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
 
-    def metadata(self) -> dict:
-        """The request fields that let an engine allocate and name the bucket's tensors."""
-        return {
-            "names": self.names,
-            "dtypes": [dtype_name(t.dtype) for t in self.tensors],
-            "shapes": [list(t.shape) for t in self.tensors],
-        }
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return getattr(torch, self.dtype).itemsize * int(torch.Size(self.shape).numel())
+
+
+def update_request(manifest: list[TensorSpec], group_name: str, weight_version: int) -> dict:
+    """The one update request per engine of a stage's send."""
+    return {
+        "names": [s.name for s in manifest],
+        "dtypes": [s.dtype for s in manifest],
+        "shapes": [list(s.shape) for s in manifest],
+        "group_name": group_name,
+        "load_format": IN_PLACE,
+        "weight_version": str(weight_version),
+        # Prefix-cache KV computed by the previous weights must not serve the new ones. SGLang
+        # drains in-flight generations before it applies an update, so the flush cannot fail.
+        "flush_cache": True,
+    }
 
 
 @dataclass(frozen=True)
 class SyncReport:
+    """One stage's send; ``*_s`` split ``seconds`` into where the sender waited."""
+
     weight_version: int
     num_tensors: int
     num_bytes: int
     seconds: float
-
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor travels
-    alone); dtypes may mix, as each tensor is its own broadcast."""
-    current = Bucket()
-    for name, tensor in named:
-        size = tensor.numel() * tensor.element_size()
-        if current.names and current.nbytes + size > bucket_bytes:
-            yield current
-            current = Bucket()
-        current.names.append(name)
-        current.tensors.append(tensor.contiguous())  # a broadcast needs dense memory
-        current.nbytes += size
-    if current.names:
-        yield current
-
-
-def copy_bucket(bucket: Bucket, spare: Iterator[torch.Tensor]) -> Bucket:
-    """A host copy of ``bucket`` that outlives the trainer's next step.
-
-    Each tensor lands in the next ``spare`` tensor when shape and dtype match (the export order
-    is the same every sync), else in a new one.
-    """
-    copies = []
-    for tensor in bucket.tensors:
-        target = next(spare, None)
-        if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
-            target = torch.empty(tensor.shape, dtype=tensor.dtype)
-        copies.append(target.copy_(tensor))
-    return Bucket(bucket.names, copies, bucket.nbytes)
+    export_s: float  # in the trainer's export (TP gather, layout conversion)
+    transfer_s: float  # waiting for broadcasts to complete
+    engine_s: float  # after the last broadcast, until every engine answered (load, flush)
+    rollback_copy_s: float  # the previous sync's host copy, made off the critical path
 
 
 class WeightSender:
@@ -106,20 +107,20 @@ class WeightSender:
         host: str,
         port: int,
         backend: str,
-        bucket_bytes: int,
-        timeout_s: float,
     ) -> None:
         self.targets, self.world_size, self.group_name = targets, world_size, group_name
         self.host, self.port, self.backend = host, port, backend
-        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group: dist.ProcessGroup | None = None
-        self.committed: list[Bucket] = []  # host copy of the last committed sync
-        self.pending: list[Bucket] | None = None  # host copy of the last send, until committed
-        self.spare: list[torch.Tensor] = []  # the copy before it: the next copy's buffers
-        self.device = torch.device("cpu")  # where exported tensors live: a rollback sends there
+        self.control = EngineControl()
+        self.device = torch.device("cpu")  # where exported tensors live: a restore sends there
+        self.sent: list[tuple[str, torch.Tensor]] = []  # the last send, until committed
+        self.committed: list[tuple[str, torch.Tensor]] = []  # host copy of the committed sync
+        self._copier: threading.Thread | None = None
+        self._copy_s = 0.0
 
-    def connect(self) -> None:
+    def connect(self, timeout_s: float) -> None:
         """Form the broadcast group with every engine worker (the engines join over HTTP)."""
+        deadline = Deadline(timeout_s)
         body = {
             "master_address": self.host,
             "master_port": self.port,
@@ -128,102 +129,166 @@ class WeightSender:
             "backend": self.backend,
         }
         calls = [
-            Background(
+            self.control.submit(
                 t.url,
                 "/init_weights_update_group",
                 {**body, "rank_offset": t.rank_offset},
-                self.timeout_s,
+                timeout_s,
             )
             for t in self.targets
         ]
         self.group = custom_group(
-            self.backend, self.host, self.port, self.world_size, 0, self.group_name, self.timeout_s
+            self.backend, self.host, self.port, self.world_size, 0, self.group_name, timeout_s
         )
-        await_all(self.targets, calls, "joining the weight-sync group", self.timeout_s)
+        await_all(self.targets, calls, "joining the weight-sync group", deadline)
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> SyncReport:
-        """Send every tensor of this stage into the open update session; keep a host copy."""
-        start = time.monotonic()
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        manifest: list[TensorSpec],
+        weight_version: int,
+        timeout_s: float,
+    ) -> SyncReport:
+        """Stream every tensor of this stage into the open update session as
+        ``weight_version``; ``named`` must yield exactly ``manifest``."""
+        self.wait_for_rollback_copy()
+        start, deadline = time.monotonic(), Deadline(timeout_s)
+        request = update_request(manifest, self.group_name, weight_version)
+        calls = [
+            self.control.submit(
+                t.url, "/update_weights_from_distributed", request, deadline.left("updating")
+            )
+            for t in self.targets
+        ]
         tensors = iter(named)
         try:
-            copy = self._send_all(buckets(tensors, self.bucket_bytes), iter(self.spare))
+            sent, export_s, transfer_s = self._stream(tensors, manifest, deadline, calls)
+            waited = time.monotonic()
+            await_all(self.targets, calls, "receiving the weights", deadline)
         except (EngineRequestError, RuntimeError) as exc:
             for _ in tensors:  # finish the export: the other TP ranks are still gathering
                 pass
             raise WeightSyncError(f"sending version {weight_version} failed: {exc}") from exc
-        self.pending = copy
+        self.sent = sent
         return SyncReport(
-            weight_version,
-            sum(len(b.names) for b in copy),
-            sum(b.nbytes for b in copy),
-            time.monotonic() - start,
+            weight_version=weight_version,
+            num_tensors=len(manifest),
+            num_bytes=sum(s.nbytes for s in manifest),
+            seconds=time.monotonic() - start,
+            export_s=export_s,
+            transfer_s=transfer_s,
+            engine_s=time.monotonic() - waited,
+            rollback_copy_s=self._copy_s,
         )
 
-    def commit(self) -> None:
-        """Every stage sent and the engines took the version: the last send is now the copy a
-        later failure restores; the copy before it lends its buffers to the next one."""
-        if self.pending is None:
-            raise RuntimeError("commit without a successful send")
-        self.spare = [t for bucket in self.committed for t in bucket.tensors]
-        self.committed, self.pending = self.pending, None
+    def _stream(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        manifest: list[TensorSpec],
+        deadline: Deadline,
+        calls: list[Future],
+    ) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
+        """Broadcast each exported tensor as it comes, ``IN_FLIGHT`` ahead of the one waited on.
 
-    def restore(self) -> bool:
-        """Send the last committed copy again (the session is still open); False if there is
-        none yet (the first sync failed: the engines still hold their checkpoint)."""
-        if self.pending is not None:
-            self.spare, self.pending = [t for b in self.pending for t in b.tensors], None
+        A tensor that does not match its manifest entry still completes the engines' sequence of
+        broadcasts (with a placeholder), so the group stays usable for the restore that follows.
+        """
+        sent, mismatch, in_flight = [], None, deque()
+        export_s = transfer_s = 0.0
+        tensors = iter(tensors)
+        for spec in manifest:
+            began = time.monotonic()
+            name, tensor = next(tensors, (None, None))
+            export_s += time.monotonic() - began
+            if tensor is None or TensorSpec.of(name, tensor) != spec:
+                got = None if tensor is None else TensorSpec.of(name, tensor)
+                mismatch = mismatch or f"expected {spec}, the trainer exported {got}"
+                tensor = torch.empty(
+                    spec.shape, dtype=getattr(torch, spec.dtype), device=self.device
+                )
+            tensor = tensor.contiguous()  # a broadcast needs dense memory
+            self.device = tensor.device
+            in_flight.append(dist.broadcast(tensor, group=self.group, group_src=0, async_op=True))
+            sent.append((spec.name, tensor))
+            if len(in_flight) > IN_FLIGHT:
+                transfer_s += self._wait(in_flight.popleft(), deadline, calls)
+        while in_flight:
+            transfer_s += self._wait(in_flight.popleft(), deadline, calls)
+        if mismatch is not None:
+            raise WeightSyncError(f"the export does not match the manifest: {mismatch}")
+        return sent, export_s, transfer_s
+
+    def _wait(self, work: dist.Work, deadline: Deadline, calls: list[Future]) -> float:
+        """Wait for one broadcast; an engine that answered its request with an error instead
+        of receiving fails the sync now, not at the deadline."""
+        began = time.monotonic()
+        while True:
+            try:
+                work.wait(timedelta(seconds=min(WATCH_S, deadline.left("a broadcast completed"))))
+                return time.monotonic() - began
+            except RuntimeError:  # not complete yet: is an engine still receiving?
+                for target, call in zip(self.targets, calls, strict=True):
+                    if call.done() and call.exception() is not None:
+                        raise EngineRequestError(
+                            f"{target.label} refused the update: {call.exception()}"
+                        ) from None
+
+    def commit(self) -> None:
+        """Every stage sent and the engines took the version: copy what was sent to host
+        buffers in the background; a later failure restores that copy."""
+        if not self.sent:
+            raise RuntimeError("commit without a successful send")
+        sent, self.sent = self.sent, []
+        self._copier = threading.Thread(target=self._copy, args=(sent,), daemon=True)
+        self._copier.start()
+
+    def _copy(self, sent: list[tuple[str, torch.Tensor]]) -> None:
+        began = time.monotonic()
+        buffers = {name: buffer for name, buffer in self.committed}
+        copy = []
+        for name, tensor in sent:
+            buffer = buffers.get(name)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = platform.host_buffer(tensor)
+            copy.append((name, buffer.copy_(tensor, non_blocking=True)))
+        platform.synchronize(self.device)
+        self.committed, self._copy_s = copy, time.monotonic() - began
+
+    def wait_for_rollback_copy(self) -> None:
+        """Block until the background copy of the last committed sync is done: call before the
+        trainer changes the parameters it may still be reading."""
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
+
+    def restore(self, weight_version: int, timeout_s: float) -> bool:
+        """Send the last committed copy again as ``weight_version`` (the session is still
+        open); False if there is none yet (the first sync failed: the engines still hold their
+        checkpoint)."""
+        self.wait_for_rollback_copy()
+        self.sent = []
         if not self.committed:
             return False
-        self._send_all(self._restoring(), None)
+        manifest = [TensorSpec.of(name, tensor) for name, tensor in self.committed]
+        restoring = ((name, tensor.to(self.device)) for name, tensor in self.committed)
+        self.send(restoring, manifest, weight_version, timeout_s)
+        self.sent = []
         return True
 
-    def _send_all(
-        self, outgoing: Iterable[Bucket], spare: Iterator[torch.Tensor] | None
-    ) -> list[Bucket]:
-        """Send ``outgoing`` bucket by bucket; with ``spare`` (a new sync, not a restore),
-        return a host copy of what was sent."""
-        copy = []
-        for bucket in outgoing:
-            calls = self._send_bucket(bucket)
-            if spare is not None:  # copied while the engines load it
-                self.device = bucket.tensors[0].device
-                copy.append(copy_bucket(bucket, spare))
-            await_all(
-                self.targets,
-                calls,
-                f"loading a bucket of {len(bucket.names)} tensors",
-                self.timeout_s,
-            )
-        return copy
-
-    def _send_bucket(self, bucket: Bucket) -> list[Background]:
-        """Ask every engine to load ``bucket`` and broadcast its tensors; returns the requests."""
-        body = {**bucket.metadata(), "group_name": self.group_name, "flush_cache": False}
-        calls = [
-            Background(t.url, "/update_weights_from_distributed", body, self.timeout_s)
-            for t in self.targets
-        ]
-        for tensor in bucket.tensors:
-            dist.broadcast(tensor, group=self.group, group_src=0)
-        return calls
-
-    def _restoring(self) -> Iterator[Bucket]:
-        """The committed copy, bucket by bucket, back on the device the trainer exports from."""
-        for bucket in self.committed:
-            yield Bucket(bucket.names, [t.to(self.device) for t in bucket.tensors], bucket.nbytes)
-
     def close(self) -> None:
+        self.wait_for_rollback_copy()
         if self.group is None:
             return
         for target in self.targets:
             try:
-                post(
+                self.control.post(
                     target.url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30
                 )
             except EngineRequestError:
                 pass  # the engine is gone or stopping: nothing left to tear down there
         dist.destroy_process_group(self.group)
         self.group = None
+        self.control.close()
 
 
 def custom_group(

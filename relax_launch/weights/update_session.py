@@ -1,15 +1,19 @@
-"""The engines' side of one weight sync: open an update session, commit a version, close.
+"""The engines' side of one weight sync, as the controller drives it: a deadline for the whole
+sync, and the update session SGLang requires around every update request.
 
 A sync has one session per engine however many pipeline stages send into it (SGLang allows one
 open session per engine), so the controller opens and closes it around every stage's sender
-(``runtime/session.py``). Stdlib only: rank 0 drives it without importing torch here.
+(``runtime/session.py``). The version is set by the update requests themselves. No torch here:
+rank 0 drives it without importing torch.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from relax_launch.weights.engine_client import Background, EngineRequestError
+from relax_launch.weights.engine_client import EngineControl, EngineRequestError, result
 
 
 class WeightSyncError(RuntimeError):
@@ -25,33 +29,49 @@ class EngineTarget:
     label: str
 
 
-class UpdateSession:
-    """Open on every engine, then ``commit(version)`` or not, then ``close`` (always)."""
+class Deadline:
+    """The end of one whole sync; every call inside it waits at most what is left."""
 
-    def __init__(self, targets: list[EngineTarget], timeout_s: float) -> None:
-        self.targets, self.timeout_s = targets, timeout_s
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s, self.end = timeout_s, time.monotonic() + timeout_s
+
+    def left(self, what: str) -> float:
+        """Seconds left; raises WeightSyncError once the deadline has passed."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise WeightSyncError(
+                f"weight sync passed its {self.timeout_s:.0f} s deadline (weight_sync.timeout_s) "
+                f"before {what}"
+            )
+        return left
+
+
+class UpdateSession:
+    """Open on every engine, then the senders' update requests, then ``close`` (always)."""
+
+    def __init__(
+        self, targets: list[EngineTarget], deadline: Deadline, control: EngineControl
+    ) -> None:
+        self.targets, self.deadline, self.control = targets, deadline, control
 
     def open(self) -> None:
-        self._on_every_engine("opening an update session", "/begin_weight_update", {})
-
-    def commit(self, version: int) -> None:
-        body = {"new_version": str(version), "abort_all_requests": False}
-        self._on_every_engine("setting weight_version", "/update_weight_version", body)
+        self._on_every_engine("opening an update session", "/begin_weight_update")
 
     def close(self) -> None:
-        self._on_every_engine("closing the update session", "/end_weight_update", {})
+        self._on_every_engine("closing the update session", "/end_weight_update")
 
-    def _on_every_engine(self, what: str, path: str, body: dict) -> None:
-        calls = [Background(t.url, path, body, self.timeout_s) for t in self.targets]
-        await_all(self.targets, calls, what, self.timeout_s)
+    def _on_every_engine(self, what: str, path: str) -> None:
+        timeout_s = self.deadline.left(what)
+        calls = [self.control.submit(t.url, path, {}, timeout_s) for t in self.targets]
+        await_all(self.targets, calls, what, self.deadline)
 
 
 def await_all(
-    targets: list[EngineTarget], calls: list[Background], what: str, timeout_s: float
+    targets: list[EngineTarget], calls: list[Future], what: str, deadline: Deadline
 ) -> None:
     """Wait for one request per engine; the first failure names its engine and the step."""
     for target, call in zip(targets, calls, strict=True):
         try:
-            call.result(timeout_s)
-        except EngineRequestError as exc:
+            result(call, deadline.left(what))
+        except (EngineRequestError, WeightSyncError) as exc:
             raise EngineRequestError(f"{target.label} failed {what}: {exc}") from None

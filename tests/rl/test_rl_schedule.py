@@ -42,10 +42,11 @@ class RecordingSession:
         self.record("train-end")
         return {"loss": 0.0}
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int) -> list[dict[str, float]]:
         self.synced_while_generating |= self.generating.is_set()
         self.engine_version = version
         self.record(f"sync-{version}")
+        return []
 
 
 def fake_collect(ctx: RLContext, seconds: dict[str, float], fail_on: int | None = None):

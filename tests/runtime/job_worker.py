@@ -137,9 +137,9 @@ def corrupt_version_1_export():
 
     calls = []
 
-    def corrupted(self):
+    def corrupted(self, fused=False):
         calls.append(1)  # export 1 feeds version 0, export 2 feeds version 1
-        for name, tensor in export(self):
+        for name, tensor in export(self, fused):
             if len(calls) == 2 and name == "model.norm.weight":
                 tensor = tensor[: tensor.shape[0] // 2]
             yield name, tensor

@@ -7,6 +7,7 @@ import torch
 
 from relax_launch.trainer.hf_conversion import (
     LlamaShape,
+    fuse_for_engine,
     hf_to_megatron,
     megatron_to_hf,
     stage_layers,
@@ -102,3 +103,23 @@ def test_fc1_shard_is_gate_then_up():
 def test_tied_embeddings_have_no_output_layer():
     tied = LlamaShape(**{**SHAPE.__dict__, "tie_embeddings": True})
     assert "output_layer.weight" not in hf_to_megatron(random_hf(SHAPE), tied, tp_rank=0, tp_size=1)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_fused_export_is_the_engines_layout_of_the_hf_tensors(tp_size):
+    hf = random_hf(SHAPE)
+    fused = {}
+    for tp_rank in range(tp_size):
+        shard = hf_to_megatron(hf, SHAPE, tp_rank=tp_rank, tp_size=tp_size)
+        for name, tensor in shard.items():
+            fused.setdefault(name, []).append(tensor)
+    exported = {}
+    for name, parts in fused.items():
+        dim = tp_split_dim(name)
+        full = parts[0] if dim is None else torch.cat(parts, dim=dim)
+        exported.update(
+            megatron_to_hf(name, full, SHAPE, tp_size=tp_size, layer_offset=0, fused=True)
+        )
+    expected = fuse_for_engine(hf)
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[n], expected[n]) for n in expected)

@@ -1,0 +1,91 @@
+"""The engine's side of weight sync: broadcasts land straight in the model's parameters.
+
+SGLang's own receive allocates a fresh tensor per name for every sync and then copies every
+byte again in ``model.load_weights``. This module is an SGLang plugin (entry point group
+``sglang.srt.plugins`` in ``setup.py``; SGLang loads it in each of its processes) that adds one
+``load_format``, ``IN_PLACE``, to ``update_weights_from_distributed``:
+
+- a tensor whose name, shape and dtype are those of a parameter of this engine rank (the sender
+  uses the engine's fused layout when the engine has one TP rank) is broadcast into the
+  parameter itself: no allocation, no second copy;
+- any other tensor (dtype conversion, an engine TP shard, a layout SGLang must reshape) is
+  received into a staging buffer kept for the next sync and handed to ``load_weights`` as usual.
+
+Requests with any other ``load_format`` run SGLang's code unchanged, so the plugin is inert for
+engines that are not relax-launch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IN_PLACE = "relax_in_place"
+TARGET = (
+    "sglang.srt.model_executor.model_runner_components.weight_updater."
+    "WeightUpdater.receive_weights_from_distributed"
+)
+
+
+def register() -> None:
+    """SGLang plugin entry point: wrap the distributed receive (applied by SGLang's registry)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, receive, HookType.AROUND)
+
+
+def receive(original: Any, updater: Any, **request: Any) -> list:
+    """Receive one update request's tensors; returns those ``load_weights`` must still apply."""
+    if request.get("load_format") != IN_PLACE:
+        return original(updater, **request)
+    import torch
+
+    group = updater._model_update_group[request["group_name"]]
+    state = _receiver_state(updater)
+    staged, pending = [], []
+    specs = zip(request["names"], request["dtypes"], request["shapes"], strict=True)
+    for name, dtype, shape in specs:
+        dtype = getattr(torch, dtype)
+        destination = state.direct(name, dtype, shape)
+        if destination is None:
+            destination = state.staging(name, dtype, shape, updater.device)
+            staged.append((name, destination))
+        # Every receive is posted before any is waited on: the sender never waits for this
+        # process to get round to the next tensor.
+        pending.append(torch.distributed.broadcast(destination, src=0, group=group, async_op=True))
+    for work in pending:
+        work.wait()
+    return staged
+
+
+class _ReceiverState:
+    """Per engine rank: the parameters by name (looked up once) and the staging buffers."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.buffers: dict[str, Any] = {}
+
+    def direct(self, name: str, dtype: Any, shape: list[int]) -> Any:
+        param = self.params.get(name)
+        if param is None or param.dtype != dtype or list(param.shape) != list(shape):
+            return None
+        return param.data if param.data.is_contiguous() else None
+
+    def staging(self, name: str, dtype: Any, shape: list[int], device: Any) -> Any:
+        import torch
+
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or list(buffer.shape) != list(shape):
+            buffer = self.buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
+
+
+_states: dict[int, _ReceiverState] = {}  # by engine rank's model (the updater is frozen)
+
+
+def _receiver_state(updater: Any) -> _ReceiverState:
+    model = updater.get_model()
+    state = _states.get(id(model))
+    if state is None or state.model is not model:
+        state = _states[id(model)] = _ReceiverState(model)
+    return state

@@ -1,0 +1,70 @@
+"""The engine-side receive of weight sync, on its own: which tensors land in place, which are
+staged for ``load_weights``, and that staging buffers are kept for the next sync."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from relax_launch.inference.server import free_port
+from relax_launch.weights.receiver import IN_PLACE, receive
+from relax_launch.weights.sync import custom_group
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(2, 6, bias=False)
+        self.norm = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+
+
+class Updater:
+    """What the receive reads from SGLang's WeightUpdater."""
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+        self.model, self.device = model, "cpu"
+        self._model_update_group = {"g": group}
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+
+def request(names, dtypes, shapes, load_format=IN_PLACE):
+    return dict(names=names, dtypes=dtypes, shapes=shapes, group_name="g", load_format=load_format)
+
+
+def test_matching_tensors_land_in_place_and_the_rest_are_staged_once():
+    group = custom_group("gloo", "127.0.0.1", free_port(), 1, 0, "receiver-test", 30)
+    try:
+        model = Model()
+        weight = model.qkv_proj.weight
+        updater = Updater(model, group)
+        body = request(
+            ["qkv_proj.weight", "norm", "q_proj.weight"],
+            ["float32", "float32", "float32"],  # norm is bfloat16 in the model: staged
+            [[6, 2], [3], [2, 2]],  # q_proj is not a parameter: staged for load_weights
+        )
+        staged = receive(None, updater, **body)
+        assert [name for name, _ in staged] == ["norm", "q_proj.weight"]
+        assert model.qkv_proj.weight is weight  # received into the parameter itself
+        again = receive(None, updater, **body)
+        assert all(a is b for (_, a), (_, b) in zip(staged, again, strict=True))
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_other_load_formats_run_sglangs_own_receive():
+    calls = []
+    assert (
+        receive(
+            lambda updater, **kw: calls.append(kw) or "stock",
+            None,
+            names=[],
+            dtypes=[],
+            shapes=[],
+            group_name="g",
+            load_format=None,
+        )
+        == "stock"
+    )
+    assert calls and calls[0]["load_format"] is None

@@ -1,0 +1,79 @@
+"""Weight sync into a real SGLang engine on the CPU: what an engine serves right after a sync is
+the new weights' answer, never KV its prefix cache computed with the old ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relax_launch.inference.server import free_port
+from relax_launch.trainer.hf_conversion import fuse_for_engine
+from relax_launch.weights.engine_client import get_json, post
+from relax_launch.weights.sync import TensorSpec, WeightSender
+from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
+
+pytestmark = pytest.mark.e2e
+PROMPT = list(range(40, 72))  # long enough that the prefix cache holds most of it
+
+
+def sync(sender: WeightSender, weights: dict[str, torch.Tensor], version: int) -> None:
+    """What the controller does for one pipeline stage."""
+    engines = UpdateSession(sender.targets, Deadline(120), sender.control)
+    engines.open()
+    manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
+    try:
+        sender.send(weights.items(), manifest, version, 120)
+    finally:
+        engines.close()
+    sender.commit()
+
+
+def next_token(url: str) -> tuple[float, int]:
+    """The greedy next token's logprob after PROMPT, and how many prompt tokens came cached."""
+    reply = post(
+        url,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        },
+        60,
+    )
+    meta = reply["meta_info"]
+    return meta["output_token_logprobs"][0][0], meta["cached_tokens"]
+
+
+def test_a_sync_flushes_the_prefix_cache_so_answers_are_the_new_models(tiny_server, tiny_model):
+    original = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
+    changed = {n: t * 1.5 if t.dim() > 1 else t for n, t in original.items()}
+    label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
+    sender = WeightSender(
+        targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
+        world_size=2,
+        group_name="stale-cache-test",
+        host="127.0.0.1",
+        port=free_port(),
+        backend="gloo",
+    )
+    sender.connect(60)
+    try:
+        sync(sender, original, 1)
+        next_token(tiny_server.url)
+        old, cached = next_token(tiny_server.url)
+        assert cached > len(PROMPT) // 2  # the prompt's KV is in the prefix cache
+
+        sync(sender, changed, 2)
+        after_sync, cached_after_sync = next_token(tiny_server.url)
+        post(tiny_server.url, "/flush_cache", {}, 30)
+        fresh, _ = next_token(tiny_server.url)
+
+        assert cached_after_sync == 0  # nothing computed by the old weights is reused
+        assert abs(after_sync - fresh) < 1e-5  # exactly the new model's answer
+        assert abs(after_sync - old) > 1e-3  # and the weights did change
+        assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == "2"
+    finally:
+        sync(sender, original, 0)  # leave the shared engine as it was
+        post(tiny_server.url, "/update_weight_version", {"new_version": label}, 30)
+        sender.close()
