@@ -11,6 +11,8 @@ from typing import Any
 from relax_launch import platform
 from relax_launch.inference.process import OwnedProcess
 
+RECEIVER_PLUGIN = "relax_launch_weights"  # setup.py's sglang.srt.plugins entry point
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
@@ -77,7 +79,10 @@ class SGLangServer(OwnedProcess):
         # Logprobs of the model itself, not of the temperature-scaled sampling distribution: the
         # trainer and the teacher score tokens that way, so PPO ratios and KLs compare like with
         # like at any sampling temperature.
-        return {
+        env = {
             **platform.sglang_env(self.device, base=base),
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
         }
+        if env.get("SGLANG_PLUGINS"):  # a whitelist of plugins must keep weight sync's receiver
+            env["SGLANG_PLUGINS"] += "," + RECEIVER_PLUGIN
+        return env

@@ -68,3 +68,16 @@ def test_other_load_formats_run_sglangs_own_receive():
         == "stock"
     )
     assert calls and calls[0]["load_format"] is None
+
+
+def test_sglang_finds_the_receiver_plugin_and_a_plugin_whitelist_keeps_it(tmp_path):
+    from importlib.metadata import entry_points
+
+    from relax_launch.inference.server import RECEIVER_PLUGIN, SGLangServer
+    from relax_launch.weights.receiver import register
+
+    (plugin,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == RECEIVER_PLUGIN]
+    assert plugin.load() is register
+    server = SGLangServer(model_path="m", device="cpu", log_path=tmp_path / "log", port=1)
+    assert server.env({"SGLANG_PLUGINS": "other"})["SGLANG_PLUGINS"] == f"other,{RECEIVER_PLUGIN}"
+    assert "SGLANG_PLUGINS" not in server.env({})
