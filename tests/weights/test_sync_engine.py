@@ -1,7 +1,10 @@
 """Weight sync into a real SGLang engine on the CPU: what an engine serves right after a sync is
-the new weights' answer, never KV its prefix cache computed with the old ones."""
+the new weights' answer, never KV its prefix cache computed with the old ones; an engine that
+refuses an update fails the sync at once and keeps serving what it had."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -11,7 +14,12 @@ from relax_launch.inference.server import free_port
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.engine_client import get_json, post
 from relax_launch.weights.sync import TensorSpec, WeightSender
-from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
+from relax_launch.weights.update_session import (
+    Deadline,
+    EngineTarget,
+    UpdateSession,
+    WeightSyncError,
+)
 
 pytestmark = pytest.mark.e2e
 PROMPT = list(range(40, 72))  # long enough that the prefix cache holds most of it
@@ -77,3 +85,31 @@ def test_a_sync_flushes_the_prefix_cache_so_answers_are_the_new_models(tiny_serv
         sync(sender, original, 0)  # leave the shared engine as it was
         post(tiny_server.url, "/update_weight_version", {"new_version": label}, 30)
         sender.close()
+
+
+def test_an_engine_that_refuses_the_update_fails_the_sync_at_once_and_keeps_serving(
+    tiny_server, tiny_model
+):
+    weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
+    before = next_token(tiny_server.url)[0]
+    label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
+    sender = WeightSender(
+        targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
+        world_size=2,
+        group_name="refusal-test",
+        host="127.0.0.1",
+        port=free_port(),
+        backend="gloo",
+    )
+    sender.connect(60)
+    manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
+    began = time.monotonic()
+    try:
+        # No update session is open, so SGLang refuses before it joins any broadcast.
+        with pytest.raises(WeightSyncError, match="tiny engine refused the update"):
+            sender.send(weights.items(), manifest, 7, timeout_s=120)
+    finally:
+        sender.close()
+    assert time.monotonic() - began < 15  # not the 120 s deadline
+    assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == label
+    assert next_token(tiny_server.url)[0] == before
