@@ -10,6 +10,8 @@ Compares, in one run, over the same kind of gloo group on this machine:
   per-tensor SGLang's stock update_weights_from_distributed: one request, one broadcast per
              tensor in HF layout, the engine allocates and then loads (cache flushed too)
   disk       save safetensors, then update_weights_from_disk on every engine
+  colocated  ours with the transport split/defer use on one host (a shared-memory file the
+             engines map and copy from; no network), same session, version and flush
 and prints seconds, GB/s, ratios and ours split into phases (control = session open/close,
 transfer = waiting on broadcasts, engine = after the last broadcast until every engine answered).
 The methods that need engines run in interleaved rounds (a slow spell of the machine hits each of
@@ -37,6 +39,7 @@ from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.engine_client import post, result
+from relax_launch.weights.shared_memory import SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender, custom_group, dtype_name
 from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
 
@@ -89,7 +92,8 @@ def _timed_rounds(method) -> list[float]:
 
 
 class Ours:
-    """What ``Session.sync_weights`` does for one pipeline stage, with its phase times."""
+    """What ``Session.sync_weights`` does for one pipeline stage, with its phase times (the
+    broadcast, or with a ``SharedMemorySender`` the colocated transport)."""
 
     def __init__(self, sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
         self.sender, self.weights = sender, weights
@@ -238,8 +242,14 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
         )
         sender.connect(TIMEOUT_S)
         ours = Ours(sender, fused)
+        colocated = SharedMemorySender(
+            targets=sender.targets, world_size=0, group_name="bench", host="", port=0, backend=""
+        )
+        colocated.connect(TIMEOUT_S)
+        shared = Ours(colocated, fused)
         methods = {
             "ours": ours,
+            "colocated": shared,
             "per-tensor": lambda: per_tensor(sender, weights),
             "disk": lambda: from_disk(sender, servers, weights, model_dir),
         }
@@ -250,9 +260,13 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
                 method()
                 times[name].append(time.perf_counter() - began)
                 ours.settle()  # untimed: in the loop the copy overlaps rollout
+                shared.settle()
         results = {name: statistics.median(t[WARMUP:]) for name, t in times.items()}
         results["ours"] = ours.phase_medians()["total"]
+        results["colocated"] = shared.phase_medians()["total"]
+        colocated.close()
         phases, copy_s = ours.phase_medians(), statistics.median(ours.copy_s[WARMUP:])
+        shared_phases = shared.phase_medians()
         sender.close()
     finally:
         for s in servers:
@@ -274,6 +288,11 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
         "  ours by phase: "
         + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items())
         + f"; rollback copy (after commit, off the critical path) {copy_s:.3f} s"
+    )
+    print(
+        "  colocated by phase: "
+        + ", ".join(f"{k} {v:.3f} s" for k, v in shared_phases.items())
+        + " (transfer = writing the shared file; engine = the engines' copy into parameters)"
     )
     print(f"  ours / ceiling = {results['ceiling'] / results['ours']:.2f} (target >= 0.85)")
     return results

@@ -96,3 +96,9 @@ def synchronize(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def colocated_weight_transport(device: Device) -> str:
+    """How weights reach engines on the trainer's own host (split, defer): a shared-memory file
+    on the CPU; on GPUs the broadcast until a CUDA IPC transport exists."""
+    return "shared_memory" if device == "cpu" else "broadcast"

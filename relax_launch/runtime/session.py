@@ -84,7 +84,10 @@ class Session:
         for group in self.plan.weight_sync_groups:  # every group reaches the same engines
             self.sync_targets = [
                 EngineTarget(
-                    urls[index], offset, f"rollout engine {index} (rank {rollout[index].head_rank})"
+                    urls[index],
+                    offset,
+                    f"rollout engine {index} (rank {rollout[index].head_rank})",
+                    rollout[index].tp_size,
                 )
                 for index, offset in group.engine_rank_offsets
             ]
@@ -96,6 +99,7 @@ class Session:
                 targets=[dataclasses.astuple(t) for t in self.sync_targets],
                 world_size=group.world_size,
                 fused=fused,
+                colocated=self.plan.mode in ("split", "defer"),
                 seconds_left=self.weight_sync_timeout_s,
             )
 

@@ -18,6 +18,7 @@ from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.rl.losses import LossSpec
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
+from relax_launch.weights.shared_memory import SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import EngineTarget
 
@@ -81,14 +82,18 @@ class TrainerWorker:
         targets: list[tuple[str, int, str]],
         world_size: int,
         fused: bool,
+        colocated: bool,
         seconds_left: float,
     ) -> None:
         """Form this stage's broadcast group with every rollout engine worker. ``fused``: the
-        engines hold q/k/v and gate/up fused (one engine TP rank), so they are sent that way."""
+        engines hold q/k/v and gate/up fused (one engine TP rank), so they are sent that way.
+        ``colocated``: the engines share this rank's host (split, defer), so the platform may
+        choose a transport that skips the network."""
         self.fused = fused
         self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(fused)]
         host = node_address(self.plan)
-        self.sender = WeightSender(
+        shared = colocated and platform.colocated_weight_transport(self.device) == "shared_memory"
+        self.sender = (SharedMemorySender if shared else WeightSender)(
             targets=[EngineTarget(*t) for t in targets],
             world_size=world_size,
             group_name=f"relax-weights-pp{pp_rank}",

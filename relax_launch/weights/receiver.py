@@ -11,6 +11,10 @@ byte again in ``model.load_weights``. This module is an SGLang plugin (entry poi
 - any other tensor (dtype conversion, an engine TP shard, a layout SGLang must reshape) is
   received into a staging buffer kept for the next sync and handed to ``load_weights`` as usual.
 
+For trainer and engine on one host (``split``, ``defer``), ``update_weights_from_tensor`` with
+``load_format`` ``SHARED_FILE`` carries no tensors, only a shared file's path and layout
+(``shared_memory.py``): the engine maps the file once and copies each tensor into its parameter.
+
 Requests with any other ``load_format`` run SGLang's code unchanged, so the plugin is inert for
 engines that are not relax-launch's.
 """
@@ -20,17 +24,16 @@ from __future__ import annotations
 from typing import Any
 
 IN_PLACE = "relax_in_place"
-TARGET = (
-    "sglang.srt.model_executor.model_runner_components.weight_updater."
-    "WeightUpdater.receive_weights_from_distributed"
-)
+SHARED_FILE = "relax_shared_file"
+UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 
 
 def register() -> None:
     """SGLang plugin entry point: wrap the distributed receive (applied by SGLang's registry)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(TARGET, receive, HookType.AROUND)
+    HookRegistry.register(f"{UPDATER}.receive_weights_from_distributed", receive, HookType.AROUND)
+    HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_shared, HookType.AROUND)
 
 
 def receive(original: Any, updater: Any, **request: Any) -> list:
@@ -57,6 +60,31 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
     return staged
 
 
+def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:
+    """Load one update from a shared file (``shared_memory.py``): its payload is the file's
+    path and layout; each tensor is copied from the file into its parameter."""
+    if request.get("load_format") != SHARED_FILE:
+        return original(updater, **request)
+    import torch
+
+    path, entries = request["named_tensors"]
+    state = _receiver_state(updater)
+    region = state.mapping(path, entries)
+    staged = []
+    for name, dtype, shape, offset in entries:
+        dtype = getattr(torch, dtype)
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        source = region[offset : offset + size].view(dtype).view(shape)
+        destination = state.direct(name, dtype, shape)
+        if destination is None:
+            staged.append((name, source.to(updater.device)))
+        else:
+            destination.copy_(source)
+    if staged:
+        updater.get_model().load_weights(staged)
+    return True, "Success"
+
+
 class _ReceiverState:
     """Per engine rank: the parameters by name (looked up once) and the staging buffers."""
 
@@ -64,12 +92,22 @@ class _ReceiverState:
         self.model = model
         self.params = dict(model.named_parameters())
         self.buffers: dict[str, Any] = {}
+        self.files: dict[str, Any] = {}  # shared files mapped once, kept after they are unlinked
 
     def direct(self, name: str, dtype: Any, shape: list[int]) -> Any:
         param = self.params.get(name)
         if param is None or param.dtype != dtype or list(param.shape) != list(shape):
             return None
         return param.data if param.data.is_contiguous() else None
+
+    def mapping(self, path: str, entries: list) -> Any:
+        import torch
+
+        if path not in self.files:
+            name, dtype, shape, offset = entries[-1]
+            size = offset + getattr(torch, dtype).itemsize * int(torch.Size(shape).numel())
+            self.files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return self.files[path]
 
     def staging(self, name: str, dtype: Any, shape: list[int], device: Any) -> Any:
         import torch

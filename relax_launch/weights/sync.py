@@ -86,6 +86,7 @@ class SyncReport:
     """One stage's send; ``*_s`` split ``seconds`` into where the sender waited."""
 
     weight_version: int
+    transport: str  # "broadcast", or "shared_memory" for engines on the trainer's host
     num_tensors: int
     num_bytes: int
     seconds: float
@@ -97,6 +98,8 @@ class SyncReport:
 
 class WeightSender:
     """The source rank's side of weight sync for one pipeline stage."""
+
+    TRANSPORT = "broadcast"
 
     def __init__(
         self,
@@ -153,25 +156,22 @@ class WeightSender:
         ``weight_version``; ``named`` must yield exactly ``manifest``."""
         self.wait_for_rollback_copy()
         start, deadline = time.monotonic(), Deadline(timeout_s)
-        request = update_request(manifest, self.group_name, weight_version)
-        calls = [
-            self.control.submit(
-                t.url, "/update_weights_from_distributed", request, deadline.left("updating")
-            )
-            for t in self.targets
-        ]
         tensors = iter(named)
         try:
-            sent, export_s, transfer_s = self._stream(tensors, manifest, deadline, calls)
+            sent, calls, export_s, transfer_s = self._deliver(
+                tensors, manifest, weight_version, deadline
+            )
             waited = time.monotonic()
             await_all(self.targets, calls, "receiving the weights", deadline)
         except (EngineRequestError, RuntimeError) as exc:
             for _ in tensors:  # finish the export: the other TP ranks are still gathering
                 pass
             raise WeightSyncError(f"sending version {weight_version} failed: {exc}") from exc
+        self._delivered()
         self.sent = sent
         return SyncReport(
             weight_version=weight_version,
+            transport=self.TRANSPORT,
             num_tensors=len(manifest),
             num_bytes=sum(s.nbytes for s in manifest),
             seconds=time.monotonic() - start,
@@ -180,6 +180,28 @@ class WeightSender:
             engine_s=time.monotonic() - waited,
             rollback_copy_s=self._copy_s,
         )
+
+    def _deliver(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        manifest: list[TensorSpec],
+        weight_version: int,
+        deadline: Deadline,
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[Future], float, float]:
+        """Ask every engine to receive, then broadcast; returns what was sent, the engines'
+        requests, and the seconds spent exporting and transferring."""
+        request = update_request(manifest, self.group_name, weight_version)
+        calls = [
+            self.control.submit(
+                t.url, "/update_weights_from_distributed", request, deadline.left("updating")
+            )
+            for t in self.targets
+        ]
+        sent, export_s, transfer_s = self._stream(tensors, manifest, deadline, calls)
+        return sent, calls, export_s, transfer_s
+
+    def _delivered(self) -> None:
+        """Every engine took the update (a transport may release what it no longer needs)."""
 
     def _stream(
         self,

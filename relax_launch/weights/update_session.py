@@ -27,6 +27,7 @@ class EngineTarget:
     url: str
     rank_offset: int
     label: str
+    tp_size: int = 1
 
 
 class Deadline:

@@ -69,8 +69,11 @@ def assert_no_sglang_left(tmp_path: Path) -> None:
     assert not left, f"SGLang processes left behind: {left}"
 
 
-@pytest.mark.parametrize("config,engines", [("decoupled_4rank.yaml", 2), ("split_2rank.yaml", 1)])
-def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
+@pytest.mark.parametrize(
+    "config,engines,transport",
+    [("decoupled_4rank.yaml", 2, "broadcast"), ("split_2rank.yaml", 1, "shared_memory")],
+)
+def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines, transport):
     out = tmp_path / "report.json"
     process, _ = start("sync", config, out, tmp_path)
     code, output = finish(process, 400)
@@ -80,6 +83,7 @@ def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines):
     assert report["weight_changed"] and report["engines_agree"]
     # 2 layers x (fused qkv, o, fused gate_up, down, 2 norms) + embeddings, final norm, lm_head
     assert report["sync0"][0]["num_tensors"] == report["sync1"][0]["num_tensors"] == 15
+    assert report["sync1"][0]["transport"] == transport  # split shares the host: no network
     # The trainer's per-token logprobs equal what the engines compute, before and after a sync.
     assert report["parity_before"] <= PARITY_TOLERANCE
     assert report["parity_after"] <= PARITY_TOLERANCE

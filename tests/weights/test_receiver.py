@@ -81,3 +81,18 @@ def test_sglang_finds_the_receiver_plugin_and_a_plugin_whitelist_keeps_it(tmp_pa
     server = SGLangServer(model_path="m", device="cpu", log_path=tmp_path / "log", port=1)
     assert server.env({"SGLANG_PLUGINS": "other"})["SGLANG_PLUGINS"] == f"other,{RECEIVER_PLUGIN}"
     assert "SGLANG_PLUGINS" not in server.env({})
+
+
+def test_the_shared_file_layout_aligns_every_tensor():
+    from relax_launch.weights.shared_memory import layout
+    from relax_launch.weights.sync import TensorSpec
+
+    entries, size = layout(
+        [
+            TensorSpec("a", "float32", (3,)),
+            TensorSpec("b", "bfloat16", (70,)),
+            TensorSpec("c", "int8", (1,)),
+        ]
+    )
+    assert [offset for *_, offset in entries] == [0, 64, 256]
+    assert size == 320

@@ -4,6 +4,7 @@ refuses an update fails the sync at once and keeps serving what it had."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from relax_launch.inference.server import free_port
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.engine_client import get_json, post
+from relax_launch.weights.shared_memory import SHM_DIR, SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import (
     Deadline,
@@ -53,11 +55,15 @@ def next_token(url: str) -> tuple[float, int]:
     return meta["output_token_logprobs"][0][0], meta["cached_tokens"]
 
 
-def test_a_sync_flushes_the_prefix_cache_so_answers_are_the_new_models(tiny_server, tiny_model):
+@pytest.mark.parametrize("transport", [WeightSender, SharedMemorySender])
+def test_a_sync_flushes_the_prefix_cache_so_answers_are_the_new_models(
+    tiny_server, tiny_model, transport
+):
+    """Both transports: the broadcast (decoupled) and the shared-memory file (split, defer)."""
     original = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
     changed = {n: t * 1.5 if t.dim() > 1 else t for n, t in original.items()}
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
-    sender = WeightSender(
+    sender = transport(
         targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
         world_size=2,
         group_name="stale-cache-test",
@@ -113,3 +119,31 @@ def test_an_engine_that_refuses_the_update_fails_the_sync_at_once_and_keeps_serv
     assert time.monotonic() - began < 15  # not the 120 s deadline
     assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == label
     assert next_token(tiny_server.url)[0] == before
+
+
+def test_a_colocated_export_that_does_not_match_never_reaches_the_engine(tiny_server, tiny_model):
+    weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
+    before = next_token(tiny_server.url)[0]
+    label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
+    sender = SharedMemorySender(
+        targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
+        world_size=2,
+        group_name="mismatch-test",
+        host="",
+        port=0,
+        backend="",
+    )
+    sender.connect(60)
+    manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
+    halved = [(n, t * 0.5 if n != "model.norm.weight" else t[:2]) for n, t in weights.items()]
+    engines = UpdateSession(sender.targets, Deadline(60), sender.control)
+    engines.open()
+    try:
+        with pytest.raises(WeightSyncError, match="does not match the manifest"):
+            sender.send(halved, manifest, 9, timeout_s=60)
+    finally:
+        engines.close()
+        sender.close()
+    assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == label
+    assert next_token(tiny_server.url)[0] == before  # no tensor of the failed sync was loaded
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith("relax-launch-mismatch-test")]
