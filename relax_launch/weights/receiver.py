@@ -9,7 +9,9 @@ byte again in ``model.load_weights``. This module is an SGLang plugin (entry poi
   uses the engine's fused layout when the engine has one TP rank) is broadcast into the
   parameter itself: no allocation, no second copy;
 - any other tensor (dtype conversion, an engine TP shard, a layout SGLang must reshape) is
-  received into a staging buffer kept for the next sync and handed to ``load_weights`` as usual.
+  received into a staging buffer kept for the next sync and handed to ``load_weights`` as usual;
+- tensors under ``PACK_BELOW`` bytes travel together in one broadcast per dtype
+  (``broadcast_plan``) and are copied out of it.
 
 For trainer and engine on one host (``split``, ``defer``), ``update_weights_from_tensor`` with
 ``load_format`` ``SHARED_FILE`` carries no tensors, only a shared file's path and layout
@@ -21,9 +23,11 @@ engines that are not relax-launch's.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 IN_PLACE = "relax_in_place"
+PACK_BELOW = 1 << 16  # bytes: smaller tensors share one broadcast
 SHARED_FILE = "relax_shared_file"
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 
@@ -44,20 +48,57 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
 
     group = updater._model_update_group[request["group_name"]]
     state = _receiver_state(updater)
-    staged, pending = [], []
-    specs = zip(request["names"], request["dtypes"], request["shapes"], strict=True)
-    for name, dtype, shape in specs:
-        dtype = getattr(torch, dtype)
-        destination = state.direct(name, dtype, shape)
+    names, dtypes, shapes = request["names"], request["dtypes"], request["shapes"]
+    alone, packed = broadcast_plan(dtypes, shapes)
+    staged, pending, packs = [], [], []
+    for i in alone:
+        dtype = getattr(torch, dtypes[i])
+        destination = state.direct(names[i], dtype, shapes[i])
         if destination is None:
-            destination = state.staging(name, dtype, shape, updater.device)
-            staged.append((name, destination))
-        # Every receive is posted before any is waited on: the sender never waits for this
-        # process to get round to the next tensor.
-        pending.append(torch.distributed.broadcast(destination, src=0, group=group, async_op=True))
-    for work in pending:
+            destination = state.staging(names[i], dtype, shapes[i], updater.device)
+            staged.append((names[i], destination))
+        pending.append(destination)
+    for dtype_name, indices in packed.items():
+        numel = sum(_numel(shapes[i]) for i in indices)
+        dtype = getattr(torch, dtype_name)
+        pack = state.staging(f"packed {dtype_name}", dtype, [numel], updater.device)
+        pending.append(pack)
+        packs.append((pack, indices))
+    # Every receive is posted before any is waited on: the sender never waits for this process
+    # to get round to the next tensor.
+    works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in pending]
+    for work in works:
         work.wait()
+    for pack, indices in packs:
+        offset = 0
+        for i in indices:
+            piece = pack[offset : offset + _numel(shapes[i])].view(shapes[i])
+            offset += piece.numel()
+            destination = state.direct(names[i], pack.dtype, shapes[i])
+            if destination is None:
+                staged.append((names[i], piece))
+            else:
+                destination.copy_(piece)
     return staged
+
+
+def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], dict]:
+    """The order of one update's broadcasts, the same on sender and engine: the manifest's
+    tensors of ``PACK_BELOW`` bytes or more one by one, in order, then the smaller ones (norms,
+    biases) concatenated into one broadcast per dtype, so each costs no collective of its own."""
+    import torch
+
+    alone, packed = [], {}
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        if getattr(torch, dtype).itemsize * _numel(shape) >= PACK_BELOW:
+            alone.append(i)
+        else:
+            packed.setdefault(dtype, []).append(i)
+    return alone, dict(sorted(packed.items()))
+
+
+def _numel(shape: list[int]) -> int:
+    return math.prod(shape)
 
 
 def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from relax_launch import platform
 from relax_launch.weights.engine_client import EngineControl, EngineRequestError
-from relax_launch.weights.receiver import IN_PLACE
+from relax_launch.weights.receiver import IN_PLACE, broadcast_plan
 from relax_launch.weights.update_session import (
     Deadline,
     EngineTarget,
@@ -210,7 +210,8 @@ class WeightSender:
         deadline: Deadline,
         calls: list[Future],
     ) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
-        """Broadcast each exported tensor as it comes, ``IN_FLIGHT`` ahead of the one waited on.
+        """Broadcast each exported tensor as it comes, ``IN_FLIGHT`` ahead of the one waited on;
+        small ones at the end, packed (``broadcast_plan``).
 
         A tensor that does not match its manifest entry still completes the engines' sequence of
         broadcasts (with a placeholder), so the group stays usable for the restore that follows.
@@ -218,7 +219,9 @@ class WeightSender:
         sent, mismatch, in_flight = [], None, deque()
         export_s = transfer_s = 0.0
         tensors = iter(tensors)
-        for spec in manifest:
+        alone, packed = broadcast_plan([s.dtype for s in manifest], [s.shape for s in manifest])
+        alone = set(alone)
+        for index, spec in enumerate(manifest):
             began = time.monotonic()
             name, tensor = next(tensors, (None, None))
             export_s += time.monotonic() - began
@@ -230,10 +233,15 @@ class WeightSender:
                 )
             tensor = tensor.contiguous()  # a broadcast needs dense memory
             self.device = tensor.device
-            in_flight.append(dist.broadcast(tensor, group=self.group, group_src=0, async_op=True))
             sent.append((spec.name, tensor))
+            if index not in alone:  # sent packed, after the others
+                continue
+            in_flight.append(dist.broadcast(tensor, group=self.group, group_src=0, async_op=True))
             if len(in_flight) > IN_FLIGHT:
                 transfer_s += self._wait(in_flight.popleft(), deadline, calls)
+        packs = [torch.cat([sent[i][1].reshape(-1) for i in group]) for group in packed.values()]
+        for pack in packs:  # alive in ``packs`` until every broadcast completed
+            in_flight.append(dist.broadcast(pack, group=self.group, group_src=0, async_op=True))
         while in_flight:
             transfer_s += self._wait(in_flight.popleft(), deadline, calls)
         if mismatch is not None:

@@ -14,7 +14,7 @@ from relax_launch.weights.sync import custom_group
 class Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.qkv_proj = torch.nn.Linear(2, 6, bias=False)
+        self.qkv_proj = torch.nn.Linear(128, 192, bias=False)  # 96 KiB: travels alone
         self.norm = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
 
 
@@ -42,13 +42,14 @@ def test_matching_tensors_land_in_place_and_the_rest_are_staged_once():
         body = request(
             ["qkv_proj.weight", "norm", "q_proj.weight"],
             ["float32", "float32", "float32"],  # norm is bfloat16 in the model: staged
-            [[6, 2], [3], [2, 2]],  # q_proj is not a parameter: staged for load_weights
+            [[192, 128], [3], [2, 2]],  # q_proj is not a parameter: staged for load_weights
         )
+        address = weight.data_ptr()
         staged = receive(None, updater, **body)
         assert [name for name, _ in staged] == ["norm", "q_proj.weight"]
-        assert model.qkv_proj.weight is weight  # received into the parameter itself
+        assert model.qkv_proj.weight is weight and weight.data_ptr() == address  # in place
         again = receive(None, updater, **body)
-        assert all(a is b for (_, a), (_, b) in zip(staged, again, strict=True))
+        assert [t.data_ptr() for _, t in staged] == [t.data_ptr() for _, t in again]  # reused
     finally:
         dist.destroy_process_group(group)
 
@@ -96,3 +97,11 @@ def test_the_shared_file_layout_aligns_every_tensor():
     )
     assert [offset for *_, offset in entries] == [0, 64, 256]
     assert size == 320
+
+
+def test_small_tensors_travel_packed_after_the_large_ones_one_broadcast_per_dtype():
+    from relax_launch.weights.receiver import broadcast_plan
+
+    dtypes = ["float32", "float32", "bfloat16", "float32", "bfloat16"]
+    shapes = [[256, 128], [64], [4], [128, 128], [32768]]  # 128 KiB, 256 B, 8 B, 64 KiB, 64 KiB
+    assert broadcast_plan(dtypes, shapes) == ([0, 3, 4], {"bfloat16": [2], "float32": [1]})
