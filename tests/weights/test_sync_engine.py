@@ -39,6 +39,20 @@ def sync(sender: WeightSender, weights: dict[str, torch.Tensor], version: int) -
     sender.commit()
 
 
+def connected(transport: type[WeightSender], url: str, group_name: str) -> WeightSender:
+    """A sender of ``transport`` to the one engine at ``url``, connected."""
+    sender = transport(
+        targets=[EngineTarget(url, 1, "tiny engine")],
+        world_size=2,
+        group_name=group_name,
+        host="127.0.0.1",
+        port=free_port(),
+        backend="gloo",
+    )
+    sender.connect(60)
+    return sender
+
+
 def next_token(url: str) -> tuple[float, int]:
     """The greedy next token's logprob after PROMPT, and how many prompt tokens came cached."""
     reply = post(
@@ -63,15 +77,7 @@ def test_a_sync_flushes_the_prefix_cache_so_answers_are_the_new_models(
     original = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
     changed = {n: t * 1.5 if t.dim() > 1 else t for n, t in original.items()}
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
-    sender = transport(
-        targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
-        world_size=2,
-        group_name="stale-cache-test",
-        host="127.0.0.1",
-        port=free_port(),
-        backend="gloo",
-    )
-    sender.connect(60)
+    sender = connected(transport, tiny_server.url, "stale-cache-test")
     try:
         sync(sender, original, 1)
         next_token(tiny_server.url)
@@ -99,15 +105,7 @@ def test_an_engine_that_refuses_the_update_fails_the_sync_at_once_and_keeps_serv
     weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
     before = next_token(tiny_server.url)[0]
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
-    sender = WeightSender(
-        targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
-        world_size=2,
-        group_name="refusal-test",
-        host="127.0.0.1",
-        port=free_port(),
-        backend="gloo",
-    )
-    sender.connect(60)
+    sender = connected(WeightSender, tiny_server.url, "refusal-test")
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     began = time.monotonic()
     try:
@@ -125,15 +123,7 @@ def test_a_colocated_export_that_does_not_match_never_reaches_the_engine(tiny_se
     weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
     before = next_token(tiny_server.url)[0]
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
-    sender = SharedMemorySender(
-        targets=[EngineTarget(tiny_server.url, 1, "tiny engine")],
-        world_size=2,
-        group_name="mismatch-test",
-        host="",
-        port=0,
-        backend="",
-    )
-    sender.connect(60)
+    sender = connected(SharedMemorySender, tiny_server.url, "mismatch-test")
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     halved = [(n, t * 0.5 if n != "model.norm.weight" else t[:2]) for n, t in weights.items()]
     engines = UpdateSession(sender.targets, Deadline(60), sender.control)
