@@ -86,11 +86,9 @@ def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int
     """The order of one update's broadcasts, the same on sender and engine: the manifest's
     tensors of ``PACK_BELOW`` bytes or more one by one, in order, then the smaller ones (norms,
     biases) concatenated into one broadcast per dtype, so each costs no collective of its own."""
-    import torch
-
     alone, packed = [], {}
     for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
-        if getattr(torch, dtype).itemsize * _numel(shape) >= PACK_BELOW:
+        if nbytes(dtype, shape) >= PACK_BELOW:
             alone.append(i)
         else:
             packed.setdefault(dtype, []).append(i)
@@ -99,6 +97,13 @@ def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int
 
 def _numel(shape: list[int]) -> int:
     return math.prod(shape)
+
+
+def nbytes(dtype: str, shape: list[int]) -> int:
+    """Bytes of a tensor of ``dtype`` (torch's name, e.g. "bfloat16") and ``shape``."""
+    import torch
+
+    return getattr(torch, dtype).itemsize * _numel(shape)
 
 
 def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:
@@ -112,10 +117,9 @@ def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
     state = _receiver_state(updater)
     region = state.mapping(path, entries)
     staged = []
-    for name, dtype, shape, offset in entries:
-        dtype = getattr(torch, dtype)
-        size = dtype.itemsize * int(torch.Size(shape).numel())
-        source = region[offset : offset + size].view(dtype).view(shape)
+    for name, dtype_name, shape, offset in entries:
+        dtype = getattr(torch, dtype_name)
+        source = region[offset : offset + nbytes(dtype_name, shape)].view(dtype).view(shape)
         destination = state.direct(name, dtype, shape)
         if destination is None:
             staged.append((name, source.to(updater.device)))
@@ -145,8 +149,8 @@ class _ReceiverState:
         import torch
 
         if path not in self.files:
-            name, dtype, shape, offset = entries[-1]
-            size = offset + getattr(torch, dtype).itemsize * int(torch.Size(shape).numel())
+            _, dtype, shape, offset = entries[-1]  # the layout is in file order
+            size = offset + nbytes(dtype, shape)
             self.files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return self.files[path]
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from relax_launch import platform
 from relax_launch.weights.engine_client import EngineControl, EngineRequestError
-from relax_launch.weights.receiver import IN_PLACE, broadcast_plan
+from relax_launch.weights.receiver import IN_PLACE, broadcast_plan, nbytes
 from relax_launch.weights.update_session import (
     Deadline,
     EngineTarget,
@@ -63,7 +63,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return getattr(torch, self.dtype).itemsize * int(torch.Size(self.shape).numel())
+        return nbytes(self.dtype, list(self.shape))
 
 
 def update_request(manifest: list[TensorSpec], group_name: str, weight_version: int) -> dict:
