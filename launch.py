@@ -1,37 +1,12 @@
 """torchrun entry point: ``torchrun --nproc-per-node G launch.py CONFIG [key=value ...]``.
 
-Every rank loads the config, plans the placement for torchrun's world and checks it, then runs
-its part of the job (``relax_launch.runtime.job.run_rank``); rank 0 drives the others.
+The same as ``relax_launch/launch.py``, which ``relax-launch run`` starts (from a clone or an
+installed package alike).
 """
 
-from __future__ import annotations
-
-import os
 import sys
 
-from relax_launch.config import ConfigError, load_config
-from relax_launch.placement import plan, preflight
-
-
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if argv else 2
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        job = load_config(argv[0], argv[1:])
-        world = job.cluster.nnodes * job.cluster.nproc_per_node
-        placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
-        preflight(job, placement, require_models=True)
-    except ConfigError as exc:
-        print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
-        return 2
-    from relax_launch.runtime.job import run_rank  # torch and friends: after validation
-    from relax_launch.runtime.programs import rl_program
-
-    run_rank(job, placement, rl_program(job))
-    return 0
-
+from relax_launch.launch import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

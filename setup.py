@@ -44,7 +44,9 @@ SGLANG_CPU_DEPS = [
     "jsonschema",
 ]
 # httptools: the gateway's HTTP parser (uvicorn falls back to the slower h11 without it).
+# rich: the operator's console (progress with ETA); psutil: finding the processes a job started.
 RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httpx", "httptools", "accelerate"]
+RUNTIME_DEPS += ["rich", "psutil"]
 
 setup(
     name="relax-launch",

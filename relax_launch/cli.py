@@ -14,7 +14,7 @@ import click
 from relax_launch import __version__
 from relax_launch.config import ConfigError, JobConfig, load_config
 from relax_launch.placement import PlacementPlan, plan, preflight
-from relax_launch.placement.render import table, write_picture
+from relax_launch.placement.render import summary, table, write_picture
 
 
 def _load_and_plan(
@@ -87,23 +87,36 @@ def plan_command(
     help="Continue from the newest checkpoint in checkpoint.dir (checkpoint.resume=true).",
 )
 def run_command(config_path: str, overrides: tuple[str, ...], resume: bool) -> None:
-    """Validate CONFIG, then run it on this machine as one torchrun job (launch.py).
+    """Validate CONFIG, then run it on this machine as one torchrun job (relax_launch/launch.py).
 
     Exits with the job's code; on failure names the rank and role that failed.
     """
     if resume:
         overrides = (*overrides, "checkpoint.resume=true")
     try:
-        _, placement, _ = _load_and_plan(config_path, overrides, None, None, require_models=True)
+        job, placement, notes = _load_and_plan(
+            config_path, overrides, None, None, require_models=True
+        )
     except ConfigError as exc:
         _fail(str(exc))
     if placement.nnodes != 1:
         _fail(
             f"run starts one machine; cluster.nnodes={placement.nnodes} needs a launcher per node"
         )
-    from relax_launch.runtime.launcher import REPO_LAUNCH, run_local
+    from relax_launch.runtime.launcher import ENTRY_MODULE, run_local
 
-    sys.exit(run_local(REPO_LAUNCH, [config_path, *overrides], placement))
+    _announce(job, placement, notes)
+    sys.exit(run_local(ENTRY_MODULE, [config_path, *overrides], placement, job.log_dir))
+
+
+def _announce(job: JobConfig, placement: PlacementPlan, notes: list[str]) -> None:
+    """What the operator reads before the job starts: the plan, precision, where logs go."""
+    click.echo(summary(placement))
+    engines = "".join(f", {role} {job.engine_dtype(role)}" for role in job.inference_roles())
+    click.echo(f"precision: trainer {job.trainer.dtype}{engines}")
+    for note in notes:
+        click.echo(f"note: {note}")
+    click.echo(f"logs: {job.log_dir}/ (rank<R>.log per rank, <role>-engine<N>.log per engine)")
 
 
 @main.command("config")

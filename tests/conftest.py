@@ -1,15 +1,20 @@
 """Shared fixtures: real models built locally, real SGLang servers on the CPU.
 
 Servers are session-scoped so the suite starts each at most once; each is stopped by its PID
-(process group) at the end and checked to have left nothing behind.
+(process group) at the end and checked to have left nothing behind. Every test is checked to
+leave no process it started running, and to leave the shared tiny engine as it found it.
 """
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from relax_launch.inference.process import group_alive
@@ -18,6 +23,8 @@ from relax_launch.models.build import ensure_model
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_START_TIMEOUT_S = 240.0
+TEST_TAG = "RELAX_TEST_PROCESS_TAG"  # inherited by every process a test starts
+EXIT_GRACE_S = 20.0
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +77,66 @@ def venv_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
+
+
+def processes_tagged(tag: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``tag`` (orphans included: they keep it)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if process.environ().get(TEST_TAG) == tag:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_the_test() -> Iterator[None]:
+    """Tags the processes this test starts; fails the test if any is alive after it (engines
+    of session fixtures are started before this runs and carry no tag)."""
+    tag = uuid.uuid4().hex
+    os.environ[TEST_TAG] = tag
+    try:
+        yield
+    finally:
+        del os.environ[TEST_TAG]
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while (left := processes_tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        described = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left]
+        for process in left:  # stop them here (by PID) so the next test starts clean
+            process.kill()
+        pytest.fail(f"processes started by this test outlived it: {described}")
+
+
+def engine_fingerprint(url: str) -> tuple[str, float]:
+    """The engine's weight version and its greedy first-token logprob on a fixed prompt."""
+    version = httpx.get(f"{url}/model_info", timeout=30).json()["weight_version"]
+    reply = httpx.post(
+        f"{url}/generate",
+        json={
+            "input_ids": [1, 2, 3, 4],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        },
+        timeout=60,
+    ).json()
+    return version, reply["meta_info"]["output_token_logprobs"][0][0]
+
+
+@pytest.fixture(autouse=True)
+def shared_engine_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that changes the shared tiny engine (weights, version, memory) must restore it."""
+    if "tiny_server" not in request.fixturenames:
+        yield
+        return
+    url = request.getfixturevalue("tiny_server").url
+    before = engine_fingerprint(url)
+    yield
+    after = engine_fingerprint(url)
+    assert after[0] == before[0], f"the test left the shared engine at {after}, not {before}"
+    assert abs(after[1] - before[1]) < 1e-5, f"the test changed its weights: {after}"

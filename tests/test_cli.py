@@ -79,7 +79,7 @@ def test_plan_draws_a_picture(tmp_path, suffix, magic):
     [
         (["configs/quickstart_cpu.yaml", "rollout.ranks=2"], "needs 1 rank more"),
         (["configs/quickstart_cpu.yaml", "rollout.ranks_per_engin=1"], "did you mean"),
-        (["configs/split_8gpu.yaml", "trainer.offload=false"], "trainer.offload=true"),
+        (["configs/split_8gpu.yaml", "trainer.ranks=4"], "remove trainer.ranks"),
         (["configs/quickstart_cpu.yaml", "--nproc-per-node", "3"], "3-rank world"),
         (["configs/missing.yaml"], "does not exist"),
         (["configs/quickstart_cpu.yaml", "--picture", "x.gif"], "must end in .svg or .png"),

@@ -1,4 +1,4 @@
-"""The checkable rules of the style study (shared/reference/codebase-style-study.md), enforced.
+"""The checkable codebase rules of docs/contributing.md, enforced; tests carry their numbers.
 
 Each test names its rule; a failure says which file and line broke it.
 """
@@ -45,7 +45,8 @@ def test_rule1_small_modules_and_functions():
 
 
 def test_rule3_entry_points_are_thin():
-    assert len((REPO / "launch.py").read_text().splitlines()) <= 80
+    for entry in (REPO / "launch.py", PACKAGE / "launch.py"):
+        assert len(entry.read_text().splitlines()) <= 80
     tree = ast.parse((PACKAGE / "cli.py").read_text())
     for fn in functions(tree):
         if any(
@@ -66,6 +67,8 @@ def test_rule6_job_config_stays_at_the_top():
     allowed = (
         "relax_launch/config/",
         "relax_launch/cli.py",
+        "relax_launch/launch.py",
+        "relax_launch/rl/program.py",  # assembles the job from its sections
         "relax_launch/runtime/",
         "relax_launch/placement/",
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from relax_launch.config.section import Section
@@ -51,6 +53,28 @@ class JobConfig(Section):
         """The configured inference roles, in placement order (rollout, genrm, teacher)."""
         roles = {"rollout": self.rollout, "genrm": self.genrm, "teacher": self.teacher}
         return {name: cfg for name, cfg in roles.items() if cfg is not None}
+
+    @property
+    def log_dir(self) -> Path:
+        """The run directory: logging.dir with {name} filled in."""
+        return Path(self.logging.dir.format(name=self.name))
+
+    def engine_dtype(self, role: str) -> str:
+        """The one precision decision for a role's engines: its engine.dtype, else the trainer's
+        dtype (so the rollout policy's logprobs match the trainer's)."""
+        return self.inference_roles()[role].engine.get("dtype", self.trainer.dtype)
+
+    def precision_notice(self) -> str | None:
+        """Said once before a run whose rollout engines compute at another precision than the
+        trainer: PPO's old logprobs come from the engines, so the ratios start away from 1."""
+        if self.rollout.engine.get("dtype", self.trainer.dtype) == self.trainer.dtype:
+            return None
+        return (
+            f"rollout.engine.dtype={self.rollout.engine['dtype']} differs from trainer.dtype="
+            f"{self.trainer.dtype}: the engines' logprobs (PPO's old logprobs) and the trainer's "
+            "differ by the precision gap, so importance ratios start away from 1 and the clip "
+            "range absorbs part of it; remove rollout.engine.dtype for exact parity."
+        )
 
     def rollout_model(self) -> str:
         """The rollout engines' model: rollout.model, or the trainer's."""
@@ -111,21 +135,20 @@ def _colocation_problems(job: JobConfig) -> list[str]:
             f"algorithm.off_policy_steps=1 overlaps generation with training, which "
             f"placement.mode={mode} cannot do (roles share ranks): set it to 0 or use decoupled."
         )
-    unloaded = ["trainer"] if not job.trainer.offload else []
-    unloaded += [n for n, r in job.inference_roles().items() if not r.offload]
-    if unloaded:
-        problems.append(
-            f"placement.mode={mode} shares ranks between the trainer and inference roles, so "
-            "each must release its memory between phases: set "
-            + ", ".join(f"{n}.offload=true" for n in unloaded)
-            + "."
-        )
     return problems
+
+
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _engine_problems(job: JobConfig) -> list[str]:
     problems = []
     for name, role in job.inference_roles().items():
+        if role.engine.get("dtype", job.trainer.dtype) not in ENGINE_DTYPES:
+            problems.append(
+                f"{name}.engine.dtype={role.engine['dtype']!r} is not one of "
+                f"{', '.join(ENGINE_DTYPES)}; unset, the engines run at trainer.dtype."
+            )
         if job.cluster.device == "cpu" and "max_total_tokens" not in role.engine:
             problems.append(
                 f"{name}.engine.max_total_tokens is required with cluster.device=cpu (SGLang "

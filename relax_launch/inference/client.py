@@ -3,7 +3,8 @@ or straight to the engines.
 
 Direct mode reads discovery (``GET {gateway}/{role}/engines``, cached for ``cache_ttl_s``) and
 picks the engine with the same ``RouteResolver`` the gateway uses, so both choose the same model
-and, for an affinity key, the same engine. A request the router refused as not ready (503) is
+and, under policy ``affinity``, the same engine for a key (through sglang-router, the key goes to
+the router, which then chooses for both). A request the router refused as not ready (503) is
 resolved once more on fresh discovery; a request that may have reached an engine is never sent
 again (a generation is never replayed).
 """
@@ -91,6 +92,8 @@ class _Planner:
         body = {k: v for k, v in payload.items() if k not in ROUTING_FIELDS}
         if path != "/generate":
             body["model"] = target.served_model_name
+        if target.routing_key is not None:  # sglang-router picks the engine by it
+            headers[ROUTING_KEY_HEADER] = target.routing_key
         return Prepared(target.base_url + ENGINE_PATHS[path], orjson.dumps(body), headers)
 
 

@@ -8,6 +8,8 @@ from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
 
+RoutingPolicy = Literal["round_robin", "affinity"]
+
 # SGLang server arguments that the planner sets per engine; a user value would contradict it.
 PLANNER_OWNED_ENGINE_KEYS = frozenset(
     {
@@ -40,17 +42,6 @@ class InferenceRoleConfig(Section):
         None, ge=1, description="Engine tensor-parallel size; default ranks_per_engine / pp_size."
     )
     pp_size: int = Field(1, ge=1, description="Engine pipeline-parallel size.")
-    offload: bool = Field(
-        False,
-        description="Release engine memory outside this role's phase; required when the role "
-        "shares ranks with the trainer ('split', 'defer').",
-    )
-    weight_updates: bool = Field(
-        False, description="Engines take weight updates from the trainer (rollout only)."
-    )
-    lora_adapters: tuple[str, ...] = Field(
-        (), description="LoRA adapter directories loaded at engine start (rollout only)."
-    )
     model_id: str | None = Field(
         None,
         min_length=1,
@@ -123,42 +114,12 @@ class RolloutConfig(InferenceRoleConfig):
     model: str | None = Field(
         None, description="Rollout model; default trainer.model (it must match the trainer's)."
     )
-    weight_updates: bool = Field(
-        True, description="Engines take weight updates from the trainer; must stay true."
-    )
-
-    @field_validator("weight_updates")
-    @classmethod
-    def _rollout_takes_updates(cls, weight_updates: bool) -> bool:
-        if not weight_updates:
-            raise ValueError("the rollout policy must take the trainer's weights; remove it")
-        return weight_updates
 
 
 class StaticRoleConfig(InferenceRoleConfig):
-    """A static model (teacher, genrm): never joins weight sync, never loads LoRA."""
+    """A static model (teacher, genrm): serves its starting weights; never joins weight sync."""
 
     model: str = Field(description="Model: a Hugging Face directory or builtin:NAME.")
-
-    @field_validator("weight_updates")
-    @classmethod
-    def _static_refuses_updates(cls, weight_updates: bool) -> bool:
-        if weight_updates:
-            raise ValueError(
-                "this role serves a static model and never takes weight updates; remove "
-                "weight_updates (only rollout follows the trainer)"
-            )
-        return weight_updates
-
-    @field_validator("lora_adapters")
-    @classmethod
-    def _static_refuses_lora(cls, lora_adapters: tuple[str, ...]) -> tuple[str, ...]:
-        if lora_adapters:
-            raise ValueError(
-                "this role serves a static model and loads no LoRA adapters; remove "
-                "lora_adapters (only rollout may use them)"
-            )
-        return lora_adapters
 
 
 class TeacherConfig(StaticRoleConfig):
@@ -179,9 +140,14 @@ class GatewayConfig(Section):
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted.")
     request_timeout_s: float = Field(300.0, gt=0, description="Upstream request timeout, seconds.")
-    routing_policy: Literal["round_robin", "affinity"] = Field(
-        "round_robin", description="Engine choice: round robin, or affinity by routing-key header."
+    routing_policy: RoutingPolicy = Field(
+        "round_robin",
+        description="Engine choice, every role and route mode: 'round_robin' takes the engines "
+        "in turn and ignores any x-smg-routing-key header; 'affinity' sends each "
+        "x-smg-routing-key value to one engine and answers 400 to a request without it.",
     )
     rollout_route_mode: Literal["direct", "router"] = Field(
-        "direct", description="Rollout traffic straight to engines, or through sglang-router."
+        "direct",
+        description="Rollout traffic straight to engines, or through sglang-router (started with "
+        "routing_policy: its round_robin, or its manual policy keyed by x-smg-routing-key).",
     )

@@ -112,7 +112,7 @@ class ControlPlane:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         record = {"url": self.url, "roles": sorted(self.managers)}
         (self.log_dir / "gateway.json").write_text(json.dumps(record) + "\n")
-        print(f"relax-launch: gateway serving on {self.url} (roles: {record['roles']})", flush=True)
+        log.info("gateway serving on %s (roles: %s)", self.url, record["roles"])
 
     def attach(self, role: str, urls: list[str], startup_timeout_s: float) -> None:
         """A role's engines are up: hand them to its manager (and the router, if used)."""
@@ -123,7 +123,11 @@ class ControlPlane:
         ]
         router_url = None
         if role == "rollout" and self.config.rollout_route_mode == "router":
-            self.router = SGLangRouter(worker_urls=urls, log_path=self.log_dir / "router.log")
+            self.router = SGLangRouter(
+                worker_urls=urls,
+                log_path=self.log_dir / "router.log",
+                policy=self.config.routing_policy,
+            )
             self.router.start(startup_timeout_s)
             router_url = self.router.url
         manager.attach(handles, router_url=router_url)

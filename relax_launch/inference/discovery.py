@@ -12,8 +12,11 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from relax_launch.inference.config import RoutingPolicy
+
 SCHEMA_VERSION = 2
 ROLES = ("rollout", "genrm", "teacher")
+# gateway.routing_policy: engines in turn (any routing key ignored), or one engine per routing key
 
 
 class State(StrEnum):
@@ -116,7 +119,7 @@ class RoutingSpec(_Strict):
     default_model: str | None = None
     route_key_map: dict[str, str] = Field(default_factory=dict)
     aliases: dict[str, str] = Field(default_factory=dict)
-    policy: Literal["round_robin", "affinity"] = "round_robin"
+    policy: RoutingPolicy = "round_robin"
 
 
 class Discovery(_Strict):

@@ -165,7 +165,7 @@ class InferenceGateway:
             payload["model"] = target.served_model_name
             forward = orjson.dumps(payload)
         url = target.base_url + ENGINE_PATHS["/" + endpoint]
-        headers = forwarded_headers(scope["headers"])
+        headers = forwarded_headers(scope["headers"], target.routing_key)
         if request.stream:
             status = await self.upstream.stream(send, receive, url, forward, headers)
         else:
@@ -212,7 +212,10 @@ class InferenceGateway:
         body = orjson.dumps({"text": prompt, "sampling_params": sampling})
         reply = _Captured()
         status = await self.upstream.forward(
-            reply, target.base_url + "/generate", body, forwarded_headers(scope["headers"])
+            reply,
+            target.base_url + "/generate",
+            body,
+            forwarded_headers(scope["headers"], target.routing_key),
         )
         if status != 200:
             await send_bytes(send, status, reply.body, "application/json")

@@ -15,18 +15,24 @@ from collections.abc import Iterable
 import aiohttp
 
 from relax_launch.inference.asgi import HttpError, Receive, Send, send_bytes
+from relax_launch.inference.routing import ROUTING_KEY_HEADER
 
 log = logging.getLogger("relax_launch.gateway")
 
 # Only these request headers reach an engine; everything else (hop-by-hop, Connection-nominated,
-# cookies, the routing key) stays at the gateway.
+# cookies, the client's routing key) stays at the gateway.
 FORWARDED_REQUEST_HEADERS = (b"authorization", b"x-request-id")
 RETURNED_RESPONSE_HEADERS = ("retry-after", "x-request-id")
 
 
-def forwarded_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+def forwarded_headers(
+    raw: Iterable[tuple[bytes, bytes]], routing_key: str | None = None
+) -> dict[str, str]:
+    """The headers sent upstream; ``routing_key`` goes to sglang-router under policy affinity."""
     headers = {k.decode(): v.decode("latin-1") for k, v in raw if k in FORWARDED_REQUEST_HEADERS}
     headers["content-type"] = "application/json"
+    if routing_key is not None:
+        headers[ROUTING_KEY_HEADER] = routing_key
     return headers
 
 

@@ -7,9 +7,10 @@ since SGLang would fail on them only after admission.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relax_launch.inference.asgi import HttpError
 
@@ -42,6 +43,17 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    regex: str | None = Field(None, min_length=1)  # constrained decoding (grammar backend)
+
+    @field_validator("regex")
+    @classmethod
+    def _regex_compiles(cls, regex: str | None) -> str | None:
+        if regex is not None:
+            try:
+                re.compile(regex)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return regex
 
 
 class Routed(BaseModel):

@@ -1,7 +1,11 @@
 """SGLangRouter: an sglang-router process in front of the rollout engines (route mode ROUTER).
 
 Rank 0 starts it once the engines are up and stops it by PID with the job; it is ready once it
-answers a real generation through one of its workers.
+answers a real generation through one of its workers. It routes by ``gateway.routing_policy``:
+``round_robin`` with the router's own ``round_robin``; ``affinity`` with its ``manual`` policy,
+which pins each ``x-smg-routing-key`` to one worker (a new key goes to the worker holding the
+fewest keys) until the key idles for the router's ``max_idle_secs`` (4 h) or its worker fails
+the router's health checks. The gateway sends the key to the router only under ``affinity``.
 """
 
 from __future__ import annotations
@@ -9,20 +13,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from relax_launch.inference.config import RoutingPolicy
 from relax_launch.inference.process import OwnedProcess
 from relax_launch.inference.server import free_port
+
+ROUTER_POLICY_ARGS: dict[str, tuple[str, ...]] = {
+    "round_robin": ("--policy", "round_robin"),
+    "affinity": ("--policy", "manual", "--assignment-mode", "min_group"),
+}
 
 
 class SGLangRouter(OwnedProcess):
     def __init__(
-        self, *, worker_urls: list[str], log_path: str | Path, host: str = "127.0.0.1"
+        self,
+        *,
+        worker_urls: list[str],
+        log_path: str | Path,
+        policy: RoutingPolicy,
+        host: str = "127.0.0.1",
     ) -> None:
-        self.worker_urls = list(worker_urls)
+        self.worker_urls, self.policy = list(worker_urls), policy
         super().__init__(
             host=host,
             port=free_port(host),
             log_path=log_path,
-            what=f"sglang-router for {len(worker_urls)} engines",
+            what=f"sglang-router ({policy}) for {len(worker_urls)} engines",
         )
 
     def command(self) -> list[str]:
@@ -34,8 +49,7 @@ class SGLangRouter(OwnedProcess):
             self.host,
             "--port",
             str(self.port),
-            "--policy",
-            "round_robin",
+            *ROUTER_POLICY_ARGS[self.policy],
             "--log-level",
             "warn",
             "--worker-urls",

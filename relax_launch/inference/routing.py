@@ -1,8 +1,12 @@
 """RouteResolver: the one rule that picks a model and an engine, for the gateway and the client.
 
 Model: explicit ``model`` (id or alias) -> ``route_key`` -> the default; an unknown explicit
-choice is a 400 and never falls back. Engine: rendezvous hashing on the affinity key (the
-routing-key header sglang-router uses), else round robin. A model that is not READY is a 503.
+choice is a 400 and never falls back. Engine, by the role's ``routing.policy``: ``round_robin``
+takes the ready engines in turn and ignores any routing key; ``affinity`` needs the routing key
+(the ``x-smg-routing-key`` header; without it a 400) and sends each key to one engine by
+rendezvous hashing. Through sglang-router the router picks the engine: under ``affinity`` the key
+travels on to it (its ``manual`` policy pins each key to one worker), under ``round_robin`` it
+does not. A model that is not READY is a 503.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class RouteTarget:
     served_model_name: str
     registry_epoch: str
     topology_revision: int
+    routing_key: str | None = None  # sent on to sglang-router (policy affinity only)
 
 
 def _selector(value: object, name: str) -> str | None:
@@ -104,13 +109,21 @@ class RouteResolver:
         affinity_key: str | None = None,
     ) -> RouteTarget:
         model_id = select_model(snapshot, model, route_key)
+        affinity = snapshot.routing.policy == "affinity"
+        if affinity and not affinity_key:
+            raise RoutingError(
+                f"{snapshot.role} routes by affinity (gateway.routing_policy): send the "
+                f"{ROUTING_KEY_HEADER} header"
+            )
         record = snapshot.models[model_id]
         if record.state is not State.READY:
             raise ModelUnavailable(
                 f"{snapshot.role} model {model_id!r} is {record.state.value}; retry later"
             )
 
-        def target(base_url: str, engine_id: str | None, generation: int) -> RouteTarget:
+        def target(
+            base_url: str, engine_id: str | None, generation: int, routing_key: str | None = None
+        ) -> RouteTarget:
             return RouteTarget(
                 model_id,
                 base_url,
@@ -119,19 +132,17 @@ class RouteResolver:
                 record.served_model_name,
                 snapshot.registry_epoch,
                 snapshot.topology_revision,
+                routing_key,
             )
 
         if record.route_mode is RouteMode.ROUTER:
-            return target(record.router_url or "", None, 0)
+            # the router chooses the engine; under affinity it needs the key to do so
+            return target(record.router_url or "", None, 0, affinity_key if affinity else None)
         engines = {e.engine_id: e for e in record.engines if e.direct_eligible and e.base_url}
         if not engines:
             raise ModelUnavailable(f"{snapshot.role} model {model_id!r} has no ready engine")
-        if affinity_key:
+        if affinity:
             chosen = engines[rendezvous(snapshot.role, model_id, affinity_key, list(engines))]
-        elif snapshot.routing.policy == "affinity":
-            raise RoutingError(
-                f"{snapshot.role} routes by affinity: send the {ROUTING_KEY_HEADER} header"
-            )
         else:
             chosen = list(engines.values())[self._next(snapshot, model_id) % len(engines)]
         return target(chosen.base_url or "", chosen.engine_id, chosen.generation)

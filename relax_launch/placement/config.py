@@ -30,7 +30,7 @@ class ClusterConfig(Section):
 
 
 class PlacementConfig(Section):
-    """How roles share the ranks (DESIGN section 2)."""
+    """How roles share the ranks (docs/design.md, "Placement"; the modes: docs/placement.md)."""
 
     mode: PlacementMode = Field(
         "decoupled",

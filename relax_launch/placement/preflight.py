@@ -47,7 +47,8 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     dataset_problem = _dataset_problem(job.data.dataset)
     if dataset_problem and require_models:
         raise ConfigError(dataset_problem, ("data.dataset",))
-    return warnings + ([dataset_problem] if dataset_problem else [])
+    warnings += [dataset_problem] if dataset_problem else []
+    return warnings + ([job.precision_notice()] if job.precision_notice() else [])
 
 
 def _facts_or_problem(role: str, ref: str, require: bool) -> ModelFacts | str:

@@ -31,7 +31,7 @@ def roles_label(rank: RankPlan) -> str:
 
 
 def table(plan: PlacementPlan) -> str:
-    """The rank map as aligned text, followed by engines, phases and weight-sync groups."""
+    """The rank map as aligned text, followed by the plan's ``summary``."""
     rows = [("rank", "node", "local", "roles", "phase")]
     for r in plan.ranks:
         roles = roles_label(r)
@@ -42,9 +42,13 @@ def table(plan: PlacementPlan) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([*lines, "", summary(plan)])
+
+
+def summary(plan: PlacementPlan) -> str:
+    """Mode and world, the trainer grid, each engine, the phase order and weight-sync groups."""
     t = plan.trainer
-    lines += [
-        "",
+    lines = [
         f"mode: {plan.mode}   world: {plan.nnodes} node(s) x {plan.nproc_per_node} = "
         f"{plan.world_size} ranks   plan hash: {plan.stable_hash()}",
         f"trainer: ranks {t.ranks[0]}-{t.ranks[-1]}  tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}",

@@ -44,8 +44,6 @@ def sglang_server_args(device: Device) -> list[str]:
         return [
             "--device",
             "cpu",
-            "--dtype",
-            "float32",
             "--attention-backend",
             "torch_native",
             "--disable-cuda-graph",
@@ -67,11 +65,6 @@ def prepare_megatron(device: Device) -> None:
         redirect_megatron_to_cpu()
         # No CUDA RNG states to fork: dropout draws from the CPU generator.
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-def megatron_clip_grad(device: Device, clip_grad: float) -> float:
-    """Gradient clipping Megatron can apply: its clip asserts CUDA tensors, so none on the CPU."""
-    return clip_grad if device == "cuda" else 0.0
 
 
 def engine_base_device(device: Device, local_rank: int) -> int:

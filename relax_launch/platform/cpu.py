@@ -2,8 +2,10 @@
 
 Megatron-core 0.16.1 names ``cuda`` in about 226 places (buffers, the RNG tracker, the
 optimizer's loss scale, the pipeline schedules). A TorchFunctionMode rewrites ``device=cuda``
-arguments and ``Tensor.cuda()`` calls; a few ``torch.cuda`` functions become no-ops. Imported
-only when ``cluster.device`` is ``cpu``.
+arguments and ``Tensor.cuda()`` calls, and gives CPU tensors' ``Tensor.type()`` names as CUDA
+ones (Megatron's optimizer checks them: the gradient clip asserts ``torch.cuda.FloatTensor``
+grads); a few ``torch.cuda`` functions become no-ops. Imported only when ``cluster.device`` is
+``cpu``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class CudaToCpu(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "cuda":
             return args[0]
+        if name == "type" and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)  # e.g. torch.cuda.FloatTensor
         if name == "to" and len(args) > 1 and not isinstance(args[1], torch.dtype | torch.Tensor):
             args = (args[0], _to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)

@@ -17,7 +17,6 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 class AlgorithmConfig(Section):
     """GRPO with optional KL to the initial policy and on-policy distillation."""
 
-    name: Literal["grpo"] = Field("grpo", description="Policy-optimisation algorithm.")
     num_steps: int = Field(1, ge=1, description="RL steps to run.")
     n_samples_per_prompt: int = Field(
         8, ge=2, description="Samples per prompt; GRPO normalises rewards within each group."

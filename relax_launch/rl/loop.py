@@ -24,19 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch.rl import rollout
+from relax_launch.rl.advantages import distill_advantages, group_advantages
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
-from relax_launch.rl.losses import LossSpec, distill_advantages, group_advantages
-from relax_launch.rl.report import MetricsLog
+from relax_launch.rl.report import MetricsLog, StepProgress
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 from relax_launch.runtime.checkpoint import Checkpoints
+from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.session import Session
 from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.losses import LossSpec
 
 # The background rollout's requests each time out after 600 s (rollout.py); this bounds the
 # wait for all of them with room to spare.
 ROLLOUT_WAIT_S = 900.0
+clock = time.perf_counter  # the step clock (a test steps it by hand)
 
 
 @dataclass
@@ -52,7 +55,7 @@ class RolloutBatch:
 
 @dataclass
 class RLContext:
-    """What every step needs, built once (see ``runtime.programs.rl_program``)."""
+    """What every step needs, built once (see ``rl.program.rl_program``)."""
 
     session: Session
     algorithm: AlgorithmConfig
@@ -78,17 +81,16 @@ class RLContext:
 
 @contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    started = time.perf_counter()
+    started = clock()
     try:
         yield
     finally:
-        seconds[name] = time.perf_counter() - started
+        seconds[name] = clock() - started
 
 
 def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
-    """One RL step; returns its metrics."""
+    """One RL step; returns its metrics (the step's wall time is added by ``run``)."""
     ctx.seconds = {}
-    started = time.perf_counter()
     a = ctx.algorithm
     if ctx.upcoming is not None:  # generated while the previous step trained
         batch = ctx.upcoming.result()
@@ -106,12 +108,10 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
             wait_for_rollout(ctx.upcoming, step + 1)
     with timed(ctx.seconds, "sync"):
         reports = ctx.session.sync_weights(step + 1)
-    total = time.perf_counter() - started
     metrics |= sync_metrics(reports, ctx.seconds["sync"])
     versions = [int(s.weight_version) for s in batch.samples]
     metrics |= batch.metrics
-    metrics |= {f"time/{k}": v for k, v in (batch.seconds | ctx.seconds).items()}
-    metrics |= {"time/step": total, "time/other": total - sum(ctx.seconds.values())}
+    metrics |= {f"time/{k}": v for k, v in batch.seconds.items()}
     return {
         "step": step + 1,
         "weight_version": min(versions),
@@ -120,6 +120,13 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
         "data/skipped_long_prompts": ctx.skipped_prompts,
         **metrics,
     }
+
+
+def step_times(main_thread: dict[str, float], wall_s: float) -> dict[str, float]:
+    """``time/step`` is the step's whole wall time; ``time/other`` what no main-thread phase
+    covers (writing metrics and TensorBoard, the console, Python between phases)."""
+    phases = {f"time/{k}": v for k, v in main_thread.items()}
+    return phases | {"time/step": wall_s, "time/other": wall_s - sum(main_thread.values())}
 
 
 def sync_metrics(reports: list[dict[str, float]], seconds: float) -> dict[str, float]:
@@ -247,24 +254,33 @@ def run(
     ctx: RLContext, num_steps: int, log_dir: Path, start_step: int = 0
 ) -> list[dict[str, float]]:
     """Steps ``start_step`` to ``num_steps`` with a progress line each, checkpoints when due;
-    metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end."""
+    metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end.
+
+    Step k's wall time runs from the end of step k-1's to its own end, so the steps tile the
+    loop: logging and printing step k-1 is part of step k's ``time/other``.
+    """
     history = list(ctx.log.history)
     if ctx.algorithm.off_policy_steps:
         ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
+    progress = StepProgress(ctx.session.console, num_steps, start_step)
     try:
-        for step in range(start_step, num_steps):
-            metrics = rl_step(ctx, step, num_steps)
-            if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
-                started = time.perf_counter()
-                save_checkpoint(ctx, step + 1)
-                metrics["time/checkpoint"] = time.perf_counter() - started
-            history.append(metrics)
-            ctx.log.write(metrics)
-            print(ctx.log.progress(metrics, num_steps), flush=True)
+        with progress:
+            began = clock()
+            for step in range(start_step, num_steps):
+                metrics = rl_step(ctx, step, num_steps)
+                if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
+                    with timed(ctx.seconds, "checkpoint"):
+                        save_checkpoint(ctx, step + 1)
+                ended = clock()
+                metrics |= step_times(ctx.seconds, ended - began)
+                began = ended
+                history.append(metrics)
+                ctx.log.write(metrics)
+                progress.step(metrics)
     finally:
         if ctx.background is not None:  # on an error, do not wait for a rollout nobody needs
             ctx.background.shutdown(wait=False, cancel_futures=True)
-    ctx.log.finish(history, log_dir)
+    operator_log().info(ctx.log.finish(history, log_dir))
     return history
 
 
@@ -283,4 +299,4 @@ def save_checkpoint(ctx: RLContext, step: int) -> None:
         "skipped_prompts": ctx.skipped_prompts,
     }
     ctx.checkpoints.complete(step, state)
-    print(f"relax-launch: checkpoint of step {step} in {directory}", flush=True)
+    operator_log().info(f"relax-launch: checkpoint of step {step} in {directory}")

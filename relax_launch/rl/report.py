@@ -4,10 +4,20 @@ curves and a one-screen summary."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from relax_launch.rl.tensorboard import EventWriter
 
@@ -44,11 +54,47 @@ class MetricsLog:
         if self.events is not None:
             self.events.add(int(metrics["step"]), metrics)
 
-    @staticmethod
-    def progress(m: dict[str, float], total: int) -> str:
-        done = int(20 * m["step"] / total)
-        bar = "#" * done + "-" * (20 - done)
-        parts = [f"[{bar}] step {int(m['step'])}/{total}", f"reward {m['reward']:.3f}"]
+    def finish(self, history: list[dict[str, float]], log_dir: Path) -> str:
+        """The run's summary, after drawing its curves."""
+        return summary(history, self.path, plot_curves(history, log_dir / "curves.png"))
+
+
+class StepProgress:
+    """One line per step on the operator's console, ending with the time left; on a terminal,
+    a live bar with the ETA stays below the lines."""
+
+    def __init__(self, console: Console, total: int, done: int) -> None:
+        self.total, self.done = total, done
+        self.step_seconds: list[float] = []  # this run's steps (a resumed run's only)
+        self.bar = Progress(
+            TextColumn("relax-launch"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not console.is_terminal,
+        )
+        self.task = self.bar.add_task("steps", total=total, completed=done)
+
+    def __enter__(self) -> StepProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def step(self, metrics: dict[str, float]) -> None:
+        self.done = int(metrics["step"])
+        self.step_seconds.append(metrics["time/step"])
+        self.bar.update(self.task, completed=self.done)
+        line = self.line(metrics)
+        self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        logging.getLogger(__name__).info(line)  # the rank's log keeps the console's record
+
+    def line(self, m: dict[str, float]) -> str:
+        parts = [f"step {int(m['step'])}/{self.total}", f"reward {m['reward']:.3f}"]
         parts += [
             f"{k.split('/')[1]} {v:.3f}"
             for k, v in m.items()
@@ -61,12 +107,14 @@ class MetricsLog:
         if m.get("staleness"):
             parts.append(f"stale {int(m['staleness'])}")
         parts.append(f"{m['tokens_per_s']:.0f} tok/s")
-        phases = " ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m)
-        return "relax-launch: " + " | ".join(parts) + f" | {phases}"
+        parts.append(" ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m))
+        return "relax-launch: " + " | ".join(parts) + f" | ETA {self.eta()}"
 
-    def finish(self, history: list[dict[str, float]], log_dir: Path) -> None:
-        plot = plot_curves(history, log_dir / "curves.png")
-        print(summary(history, self.path, plot), flush=True)
+    def eta(self) -> str:
+        """The steps left times the mean step time so far."""
+        mean = sum(self.step_seconds) / len(self.step_seconds)
+        left = round(mean * (self.total - self.done))
+        return f"{left // 60}:{left % 60:02d}"
 
 
 def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> str:

@@ -1,12 +1,13 @@
 """Reward sources: built-in checks, user functions (``module:function``) and the GenRM judge.
 
 A function takes a list of ``Sample`` and returns one float per sample; it may be ``async``.
-The reward of a sample is the weighted sum of its sources. A source that raises, returns the
-wrong count or a non-number, or a judge reply without a score does not become a silent zero:
-the source's ``fallback`` value is used if it has one, else the sample is marked invalid (it
-gets no gradient; its group is normalised without it); either way the failure is counted in
-the step's metrics (``reward/NAME/failed``). A step where every sample is invalid stops the job
-with the first error.
+The judge's reply is decoded under a regex, so even a judge that ignores the instructions
+writes a score. The reward of a sample is the weighted sum of its sources. A source that
+raises, returns the wrong count or a non-number, or a judge reply without a score does not
+become a silent zero: the source's ``fallback`` value is used if it has one, else the sample
+is marked invalid (it gets no gradient; its group is normalised without it); either way the
+failure is counted in the step's metrics (``reward/NAME/failed``). A step where every sample
+is invalid stops the job with the first error.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from relax_launch.rl.samples import Sample
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_LINE = re.compile(r"^Answer:\s*\S.*$")
 # The judge is asked for "Score: N" (0-10) and its reply is prefilled with "Score:", so it only
-# writes the number; the reward is N / 10, clamped to [0, 1].
+# writes the number, and is decoded under JUDGE_SCORE_REGEX (the engine's grammar backend), so
+# that number is in 0..10 whatever the model; the reward is N / 10, clamped to [0, 1].
 JUDGE_TEMPLATE = (
     "You are grading an answer.\nQuestion:\n{question}\n\nAnswer:\n{answer}\n\n"
     "{reference}Rate the answer from 0 (wrong) to 10 (perfect). "
     "Reply with one line: 'Score: <number>'."
 )
 JUDGE_PREFILL = "Score:"
+JUDGE_SCORE_REGEX = r" ?(10|[0-9](\.[0-9])?)"  # judges such as SmolLM2 say "2.5"
 SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
@@ -84,10 +87,13 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 
 class Rewards:
-    """Scores samples with every configured source; ``judge(prompts) -> replies`` for GenRM."""
+    """Scores samples with every configured source; for GenRM, ``judge(conversations, regex)``
+    returns the judge's reply to each conversation, decoded under ``regex``."""
 
     def __init__(
-        self, config: RewardConfig, judge: Callable[[list[list[dict]]], list[str]] | None = None
+        self,
+        config: RewardConfig,
+        judge: Callable[[list[list[dict]], str], list[str]] | None = None,
     ) -> None:
         self.sources = config.sources
         self.functions = {s.name: load_function(s.function) for s in self.sources if s.function}
@@ -146,7 +152,7 @@ class Rewards:
         ]
         values: list[float | None] = []
         error = None
-        for reply in self.judge(prompts):
+        for reply in self.judge(prompts, JUDGE_SCORE_REGEX):
             try:
                 values.append(parse_score(f"{JUDGE_PREFILL} {reply}"))
             except ValueError as exc:

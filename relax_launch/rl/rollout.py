@@ -1,4 +1,9 @@
-"""Generation, teacher scoring and judging through the gateway (every request concurrent)."""
+"""Generation, teacher scoring and judging through the gateway (every request concurrent).
+
+Every request carries a routing key: a prompt's group, for the samples of one prompt and their
+teacher scoring. Under ``gateway.routing_policy: affinity`` a group then shares an engine (and
+its prompt's prefix cache); under ``round_robin`` the keys are ignored.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def generate(
     temperature: float,
     max_tokens: int,
 ) -> list[Sample]:
-    """``n`` samples per (prompt, prompt token ids), in prompt order; a group shares an engine."""
+    """``n`` samples per (prompt, prompt token ids), in prompt order."""
     sampling = {"temperature": temperature, "max_new_tokens": max_tokens}
     calls = [
         (
@@ -73,7 +78,7 @@ def score_with_teacher(gateway_url: str, samples: list[Sample]) -> None:
             "logprob_start_len": len(s.prompt_ids) - 1,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         }
-        calls.append(("/generate", body, None))
+        calls.append(("/generate", body, f"g{s.group}"))
     replies = asyncio.run(_gather(gateway_url, "teacher", calls)) if calls else []
     for s in samples:
         s.teacher_logprobs = []
@@ -88,11 +93,13 @@ def score_with_teacher(gateway_url: str, samples: list[Sample]) -> None:
 
 
 def judge(
-    gateway_url: str, conversations: list[list[dict[str, Any]]], max_tokens: int
+    gateway_url: str, conversations: list[list[dict[str, Any]]], regex: str, max_tokens: int
 ) -> list[str]:
-    """The GenRM judge's reply to each conversation (the gateway's judge form)."""
-    sampling = {"temperature": 0.0, "max_new_tokens": max_tokens}
+    """The GenRM judge's reply to each conversation (the gateway's judge form), greedy and
+    constrained to ``regex`` by the engine's grammar backend."""
+    sampling = {"temperature": 0.0, "max_new_tokens": max_tokens, "regex": regex}
     calls = [
-        ("/generate", {"messages": c, "sampling_params": sampling}, None) for c in conversations
+        ("/generate", {"messages": c, "sampling_params": sampling}, f"j{i}")
+        for i, c in enumerate(conversations)
     ]
     return [r["response"] for r in asyncio.run(_gather(gateway_url, "genrm", calls))]

@@ -22,10 +22,6 @@ COMPLETE = "COMPLETE"
 CONTROLLER = "controller.json"
 
 
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    return f"trainer_tp{tp_rank}_pp{pp_rank}.pt"
-
-
 class Checkpoints:
     """The checkpoint directory of one run: where a step goes, what is newest, what to prune."""
 

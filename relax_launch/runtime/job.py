@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from relax_launch.inference.control_plane import ControlPlane, RoleSpec
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
+from relax_launch.runtime.console import operator_log, route_rank_output
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.runtime.distributed import check_same_plan, init_distributed
 from relax_launch.runtime.groups import build_trainer_groups
@@ -39,7 +39,6 @@ def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> l
     workers: list[Any] = []
     device = job.cluster.device
     roles = job.inference_roles()
-    log_dir = Path(job.logging.dir.format(name=job.name))
     try:
         for a in plan.ranks[rank].assignments:
             if a.role == "trainer":
@@ -58,10 +57,12 @@ def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> l
                 worker = EngineWorker(
                     engine=plan.engines_of(a.role)[a.engine_index],
                     section=roles[a.role],
+                    dtype=job.engine_dtype(a.role),
+                    log_level=job.logging.level,
                     model_dir=ensure_model(model),
                     device=device,
                     local_rank=plan.ranks[rank].local_rank,
-                    log_dir=log_dir,
+                    log_dir=job.log_dir,
                     host=node_address(plan),
                 )
                 workers.append(worker)
@@ -85,7 +86,7 @@ def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | N
         specs,
         gateway=job.gateway,
         admin_token=os.environ.get(job.gateway.admin_token_env) or None,
-        log_dir=Path(job.logging.dir.format(name=job.name)),
+        log_dir=job.log_dir,
     )
 
 
@@ -101,6 +102,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
     """Run this rank's part of the job; on rank 0 returns what ``program(session)`` returned."""
     rank = int(os.environ["RANK"])
+    console = route_rank_output(job.log_dir, rank, job.logging.level, role_labels(plan)[rank])
     # torchrun stops the other ranks with SIGTERM when one fails: exit through the finally
     # blocks below so this rank's engine servers are stopped, not orphaned.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -113,6 +115,10 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             control_plane = build_control_plane(job, plan)
             if control_plane is not None:
                 control_plane.start()
+                operator_log().info(
+                    f"relax-launch: gateway {control_plane.url} is up; starting engines and "
+                    "the trainer (it serves once the first weights are synced)"
+                )
         pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
         if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
             platform.prepare_megatron(job.cluster.device)
@@ -130,6 +136,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             startup_timeout_s=job.cluster.startup_timeout_s,
             weight_sync_timeout_s=job.weight_sync.timeout_s,
             control_plane=control_plane,
+            console=console,
         )
         try:
             return program(session)

@@ -11,11 +11,14 @@ import dataclasses
 import time
 from typing import Any
 
+from rich.console import Console
+
 from relax_launch.inference.control_plane import ControlPlane
 from relax_launch.placement.plan import PlacementPlan
-from relax_launch.rl.losses import LossSpec
+from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.control import ControlChannel, RemoteError
 from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.engine_client import EngineControl, EngineRequestError
 from relax_launch.weights.update_session import (
     Deadline,
@@ -41,8 +44,10 @@ class Session:
         startup_timeout_s: float,
         weight_sync_timeout_s: float,
         control_plane: ControlPlane | None = None,
+        console: Console | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
+        self.console = console or Console()  # rank 0's operator console
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.engine_urls: dict[str, list[str]] = {}
@@ -219,5 +224,12 @@ def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:
         session.connect_weight_sync()
         reports = session.sync_weights(weight_version)
     summary = {"engines": urls, "gateway": session.gateway_url, "weight_sync": reports}
-    print(f"relax-launch: job is up: {summary}", flush=True)
+    engines = ", ".join(f"{role} x{len(u)}" for role, u in urls.items())
+    line = f"relax-launch: job is up: engines {engines or 'none'}"
+    if session.gateway_url:
+        line += f"; gateway {session.gateway_url}"
+    if reports:
+        seconds = max(r["seconds"] for r in reports)
+        line += f"; weights v{weight_version} synced ({reports[0]['transport']}, {seconds:.2f} s)"
+    operator_log().info(line)
     return summary

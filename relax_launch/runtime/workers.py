@@ -15,9 +15,9 @@ from relax_launch import platform
 from relax_launch.inference.config import InferenceRoleConfig
 from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
-from relax_launch.rl.losses import LossSpec
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
+from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.shared_memory import SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import EngineTarget
@@ -126,6 +126,8 @@ class EngineWorker:
         *,
         engine: EnginePlan,
         section: InferenceRoleConfig,
+        dtype: str,
+        log_level: str,
         model_dir: Path,
         device: platform.Device,
         local_rank: int,
@@ -141,7 +143,7 @@ class EngineWorker:
             tp_size=engine.tp_size,
             pp_size=engine.pp_size,
             base_gpu_id=platform.engine_base_device(device, local_rank),
-            engine=section.engine,
+            engine={"log_level": log_level, **section.engine, "dtype": dtype},
         )
 
     def start(self, timeout_s: float) -> None:

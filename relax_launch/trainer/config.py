@@ -31,8 +31,3 @@ class TrainerConfig(Section):
         "bfloat16", description="Parameter and compute dtype."
     )
     seed: int = Field(1234, description="Seed of initialisation and dropout.")
-    offload: bool = Field(
-        False,
-        description="Release trainer memory while inference phases run; required when the "
-        "trainer shares ranks with inference roles ('split', 'defer').",
-    )

@@ -152,7 +152,7 @@ def _world_is(group: Any) -> Iterator[None]:
         dist.get_world_size, dist.all_gather_object = world_size, gather
 
 
-def build_optimizer(model: Any, section: TrainerConfig, pgc: Any, clip_grad: float) -> Any:
+def build_optimizer(model: Any, section: TrainerConfig, pgc: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16 = section.dtype == "bfloat16"
@@ -163,7 +163,7 @@ def build_optimizer(model: Any, section: TrainerConfig, pgc: Any, clip_grad: flo
         bf16=bf16,
         fp16=False,
         use_distributed_optimizer=False,
-        clip_grad=clip_grad,
+        clip_grad=section.clip_grad,
     )
     with _world_is(pgc.trainer):
         return get_megatron_optimizer(

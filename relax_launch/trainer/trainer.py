@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 
 from relax_launch import platform
-from relax_launch.rl.losses import LossSpec, policy_loss
-from relax_launch.runtime.checkpoint import shard_name
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
+from relax_launch.trainer.losses import LossSpec, policy_loss
 from relax_launch.trainer.model import (
     build_gpt,
     build_gpt_module,
@@ -58,9 +57,7 @@ class Trainer:
             self.reference = build_gpt_module(self.shape, section, pgc, self.torch_device)
             self.reference.load_state_dict(self.model.module.state_dict())  # no second read
             self.reference.requires_grad_(False).eval()
-        self.optimizer = build_optimizer(
-            self.model, section, pgc, platform.megatron_clip_grad(device, section.clip_grad)
-        )
+        self.optimizer = build_optimizer(self.model, section, pgc)
         self.step = 0
 
     @property
@@ -92,12 +89,17 @@ class Trainer:
                     metrics[key] = sum(float(o[key]) for o in outputs) / len(outputs)
         return metrics
 
+    @property
+    def shard_name(self) -> str:
+        """This rank's file in a checkpoint directory (data-parallel replicas share one)."""
+        return f"trainer_tp{self.pgc.tp.rank()}_pp{self.pgc.pp.rank()}.pt"
+
     def save(self, directory: Path) -> str | None:
         """Write this shard's model and optimizer state (on DP rank 0; other replicas hold the
         same state). Returns the file written, if any."""
         if self.pgc.dp.rank() != 0:
             return None
-        path = directory / shard_name(self.pgc.tp.rank(), self.pgc.pp.rank())
+        path = directory / self.shard_name
         state = {
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -111,7 +113,7 @@ class Trainer:
     def load(self, directory: Path) -> int:
         """Restore this shard's model and optimizer from ``directory``; returns the optimizer
         steps the checkpoint had taken."""
-        path = directory / shard_name(self.pgc.tp.rank(), self.pgc.pp.rank())
+        path = directory / self.shard_name
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} is missing: the checkpoint was saved with another trainer.tp_size or "

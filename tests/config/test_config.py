@@ -12,6 +12,7 @@ from relax_launch.config import (
     JobConfig,
     TrainerConfig,
     apply_overrides,
+    build_config,
     load_config,
     with_overrides,
 )
@@ -129,3 +130,20 @@ def test_python_config_errors_are_config_errors(tmp_path):
     empty.write_text("x = 1\n")
     with pytest.raises(ConfigError, match="must define `config = JobConfig"):
         load_config(empty)
+
+
+def test_engines_take_the_trainers_dtype_unless_their_engine_says_otherwise():
+    raw = {
+        "cluster": {"nproc_per_node": 3, "device": "cpu"},
+        "trainer": {"model": "m", "ranks": 1, "dtype": "bfloat16"},
+        "rollout": {"ranks": 1, "engine": {"max_total_tokens": 64}},
+        "teacher": {"model": "t", "engine": {"max_total_tokens": 64, "dtype": "float32"}},
+        "algorithm": {"distill_coef": 0.1},
+    }
+    job = build_config(raw)
+    assert (job.engine_dtype("rollout"), job.engine_dtype("teacher")) == ("bfloat16", "float32")
+    assert job.precision_notice() is None  # a teacher at another precision changes no ratio
+    mismatched = build_config(raw, ["rollout.engine.dtype=float32"])
+    assert "importance ratios start away from 1" in mismatched.precision_notice()
+    with pytest.raises(ConfigError, match="rollout.engine.dtype='fp16' is not one of"):
+        build_config(raw, ["rollout.engine.dtype=fp16"])

@@ -1,10 +1,12 @@
 """Fixtures for the control-plane tests: real gateways on 127.0.0.1 over managers whose engines
-are a scripted upstream (to observe what reached an engine) or a real SGLang server."""
+are a scripted upstream (to observe what reached an engine), a real SGLang server, or a pair of
+them that tells which engine answered."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from fake_upstream import FakeUpstream
@@ -14,15 +16,25 @@ from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.gateway import InferenceGateway, Renderer
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.process import group_alive
 from relax_launch.inference.serve import GatewayServer
+from relax_launch.inference.server import SGLangServer
+from relax_launch.weights.engine_client import get_json, post
 
 ADMIN_TOKEN = "test-admin-token"
 
 
 def make_manager(
-    role: str, urls: list[str], *, served: str = "/models/m", ready: bool = True, **routing
+    role: str,
+    urls: list[str],
+    *,
+    served: str = "/models/m",
+    ready: bool = True,
+    router_url: str | None = None,
+    **routing,
 ) -> InferenceManager:
-    """A manager for ``role`` over engines at ``urls``; rollout's first sync is marked done."""
+    """A manager for ``role`` over engines at ``urls`` (behind ``router_url`` when given);
+    rollout's first sync is marked done."""
     manager = InferenceManager(
         role=role,
         model_id="m",
@@ -37,7 +49,7 @@ def make_manager(
             EngineHandle(f"m/{i}", url, role=role, static=role != "rollout")
             for i, url in enumerate(urls)
         ]
-        manager.attach(handles)
+        manager.attach(handles, router_url=router_url)
         if role == "rollout":
             manager.weights_valid, manager.weight_version = True, "0"
     return manager
@@ -88,3 +100,36 @@ def gateway_over(upstream: FakeUpstream) -> Callable:
             yield url, manager
 
     return open_gateway
+
+
+@pytest.fixture(scope="session")
+def second_tiny_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangServer]:
+    """A second real SGLang server for the tiny Llama, the partner of ``tiny_server``."""
+    server = SGLangServer(
+        model_path=tiny_model,
+        device="cpu",
+        log_path=tmp_path_factory.mktemp("second-tiny-server") / "sglang.log",
+        engine={"max_total_tokens": 2048, "random_seed": 0},
+    )
+    server.start(timeout_s=240)
+    try:
+        yield server
+    finally:
+        pid = server.pid
+        server.stop()
+        assert not group_alive(pid), f"SGLang processes of group {pid} outlived stop()"
+
+
+@pytest.fixture
+def engine_pair(tiny_server, second_tiny_server) -> Iterator[dict[str, str]]:
+    """Two real engines, each labelled by its weight_version (which every generation reply
+    carries in ``meta_info``): ``{label: url}``. The labels are restored afterwards."""
+    pair = {"engine-a": tiny_server.url, "engine-b": second_tiny_server.url}
+    before = {url: get_json(url, "/model_info", 30)["weight_version"] for url in pair.values()}
+    for label, url in pair.items():
+        post(url, "/update_weight_version", {"new_version": label}, 30)
+    yield pair
+    for url, label in before.items():
+        post(url, "/update_weight_version", {"new_version": label}, 30)

@@ -55,6 +55,7 @@ def test_health_is_alive_before_any_role_is_ready(upstream):
         ("generate", b'{"text": "a", "stream": "yes"}', "stream"),
         ("generate", b'{"text": "a", "sampling_params": {"temperature": -1}}', "temperature"),
         ("generate", b'{"text": "a", "sampling_params": {"max_tokens": 3}}', "max_tokens"),
+        ("generate", b'{"text": "a", "sampling_params": {"regex": "(1"}}', "not a regular"),
         ("generate", b'{"text": "a", "model": 7}', "model"),
         ("generate", b'{"messages": [{"role": "user", "content": "x"}]}', "genrm"),
         ("v1/chat/completions", b'{"messages": "hello"}', "messages"),
@@ -215,7 +216,7 @@ def test_body_above_the_limit_is_413(gateway_over, upstream):
 @pytest.mark.parametrize("role", ["rollout", "genrm", "teacher"])
 def test_gateway_and_direct_client_choose_the_same_engine(gateway_over, upstream, role):
     keys = [f"session-{i}" for i in range(12)]
-    with gateway_over(role, engines=4) as (url, _):
+    with gateway_over(role, engines=4, routing={"policy": "affinity"}) as (url, _):
         direct = InferenceClient(url, role, direct=True)
         for key in keys:
             direct.generate(GEN, affinity_key=key)
@@ -227,6 +228,29 @@ def test_gateway_and_direct_client_choose_the_same_engine(gateway_over, upstream
     engine = [r["path"].split("/")[1] for r in upstream.requests]
     assert engine[:12] == engine[12:]  # the same engine for the same key, both ways
     assert len(set(engine)) > 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "affinity"])
+def test_routing_key_reaches_the_router_only_under_affinity(upstream, policy):
+    """The scripted upstream stands in for sglang-router (route mode router)."""
+    manager = make_manager("rollout", [], ready=False, policy=policy)
+    manager.attach([], router_url=f"{upstream.url}/router")
+    manager.weights_valid = True
+    key = {"x-smg-routing-key": "session-3"}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with serve({"rollout": manager}, routing_policy=policy) as url:
+        assert httpx.post(f"{url}/rollout/generate", json=GEN, headers=key).status_code == 200
+        assert httpx.post(f"{url}/rollout/v1/chat/completions", json=chat, headers=key).is_success
+        direct = InferenceClient(url, "rollout", direct=True)
+        direct.generate(GEN, affinity_key="session-3")
+        direct.close()
+    sent = [r["headers"].get("x-smg-routing-key") for r in upstream.requests]
+    assert [r["path"] for r in upstream.requests] == [
+        "/router/generate",
+        "/router/v1/chat/completions",
+        "/router/generate",
+    ]
+    assert sent == (["session-3"] * 3 if policy == "affinity" else [None] * 3)
 
 
 def test_admin_routes_need_the_token(gateway_over, upstream):

@@ -60,17 +60,21 @@ def test_raw_generate_keeps_logprob_fields(rollout):
 
 def test_readiness_flips_only_after_the_first_weight_commit(tiny_server):
     manager = make_manager("rollout", [tiny_server.url], ready=False)
+    label = httpx.get(f"{tiny_server.url}/model_info").json()["weight_version"]
     with serve({"rollout": manager}) as url:
         manager.attach([EngineHandle("m/0", tiny_server.url, role="rollout", static=False)])
         assert httpx.post(f"{url}/rollout/generate", json=GREEDY).status_code == 503
         manager.weights_updating()
         handle = manager.engines[0]
-        handle.call("update_weight_version", {"new_version": "7"})  # what a sync commits
-        assert httpx.post(f"{url}/rollout/generate", json=GREEDY).status_code == 503
-        manager.weights_committed(7)
-        reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=60)
-        assert reply.status_code == 200 and reply.json()["meta_info"]["weight_version"] == "7"
-        assert httpx.get(f"{url}/ready").status_code == 200
+        try:
+            handle.call("update_weight_version", {"new_version": "7"})  # what a sync commits
+            assert httpx.post(f"{url}/rollout/generate", json=GREEDY).status_code == 503
+            manager.weights_committed(7)
+            reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=60)
+            assert reply.status_code == 200 and reply.json()["meta_info"]["weight_version"] == "7"
+            assert httpx.get(f"{url}/ready").status_code == 200
+        finally:  # leave the shared engine's label as it was
+            handle.call("update_weight_version", {"new_version": label})
 
 
 def test_lifecycle_on_a_real_engine_keeps_its_answers(rollout):
@@ -153,7 +157,9 @@ def test_sync_client_resolves_again_once_on_503(tiny_server):
 
 
 def test_router_route_mode_goes_through_sglang_router(tiny_server, tmp_path):
-    router = SGLangRouter(worker_urls=[tiny_server.url], log_path=tmp_path / "router.log")
+    router = SGLangRouter(
+        worker_urls=[tiny_server.url], log_path=tmp_path / "router.log", policy="round_robin"
+    )
     router.start(120)
     try:
         manager = make_manager("rollout", [], ready=False)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from sglang_router.launch_router import parse_router_args
 
 from relax_launch.inference.discovery import Discovery
+from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.routing import (
     ModelUnavailable,
     RouteResolver,
@@ -102,8 +104,15 @@ def test_round_robin_cycles_ready_engines_only():
     assert picks == ["math/0", "math/2", "math/0", "math/2"]
 
 
+def test_round_robin_ignores_the_routing_key():
+    resolver = RouteResolver()
+    picks = [resolver.resolve(snapshot(), affinity_key="one-session") for _ in range(4)]
+    assert [p.engine_id for p in picks] == ["math/0", "math/1", "math/2", "math/0"]
+    assert all(p.routing_key is None for p in picks)
+
+
 def test_affinity_is_stable_and_spreads_keys():
-    snap = snapshot()
+    snap = snapshot(routing={"default_model": "math", "policy": "affinity"})
     a, b = RouteResolver(), RouteResolver()  # e.g. the gateway and a direct client
     for key in (f"session-{i}" for i in range(30)):
         assert (
@@ -130,16 +139,42 @@ def test_affinity_policy_requires_the_routing_key():
     assert RouteResolver().resolve(snap, affinity_key="s1").engine_id.startswith("math/")
 
 
-def test_router_mode_targets_the_router():
+def router_snapshot(policy: str) -> Discovery:
     rollout = model(
         route_mode="ROUTER",
         router_url="http://127.0.0.1:9000",
         weight_source="TRAINER",
         weight_version="4",
     )
-    snap = snapshot(role="rollout", models={"math": rollout})
-    target = RouteResolver().resolve(snap)
+    routing = {"default_model": "math", "policy": policy}
+    return snapshot(role="rollout", routing=routing, models={"math": rollout, "code": rollout})
+
+
+def test_router_mode_targets_the_router():
+    target = RouteResolver().resolve(router_snapshot("round_robin"), affinity_key="s1")
     assert target.base_url == "http://127.0.0.1:9000" and target.engine_id is None
+    assert target.routing_key is None  # round robin: the router never sees the key
+
+
+def test_router_mode_passes_the_routing_key_under_affinity():
+    snap = router_snapshot("affinity")
+    assert RouteResolver().resolve(snap, affinity_key="s1").routing_key == "s1"
+    with pytest.raises(RoutingError, match="x-smg-routing-key") as info:
+        RouteResolver().resolve(snap)
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "affinity"])
+def test_router_is_started_with_the_routing_policy(policy, tmp_path):
+    router = SGLangRouter(
+        worker_urls=["http://127.0.0.1:1"], log_path=tmp_path / "r.log", policy=policy
+    )
+    command = router.command()
+    assert command[1:3] == ["-m", "sglang_router.launch_router"]
+    parsed = parse_router_args(command[3:])  # the installed router's own parser
+    assert parsed.policy == {"round_robin": "round_robin", "affinity": "manual"}[policy]
+    if policy == "affinity":
+        assert parsed.assignment_mode == "min_group"  # new keys spread over the engines
 
 
 def test_not_ready_engines_are_never_direct_eligible():

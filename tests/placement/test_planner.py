@@ -1,4 +1,4 @@
-"""plan() places every role exactly as DESIGN section 2 says, deterministically."""
+"""plan() places every role as docs/design.md ("Placement") says, deterministically."""
 
 from __future__ import annotations
 
@@ -12,16 +12,12 @@ def job(mode: str, world: tuple[int, int], roles: dict, prompts: int = 8, **extr
     raw = {
         "cluster": {"nnodes": world[0], "nproc_per_node": world[1]},
         "placement": {"mode": mode},
-        "trainer": {
-            "model": "/m/policy",
-            "offload": mode != "decoupled",
-            **extra.get("trainer", {}),
-        },
+        "trainer": {"model": "/m/policy", **extra.get("trainer", {})},
         "algorithm": {"n_samples_per_prompt": 8, "distill_coef": 0.1 if "teacher" in roles else 0},
         "data": {"prompts_per_step": prompts},
     }
     for name, role in roles.items():
-        raw[name] = {"offload": mode != "decoupled", **role}
+        raw[name] = dict(role)
         if name != "rollout":
             raw[name]["model"] = "/m/" + name
     if "genrm" in roles:

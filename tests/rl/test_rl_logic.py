@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import io
 import math
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
+from rich.console import Console
 
+from relax_launch.rl import loop
+from relax_launch.rl.advantages import distill_advantages, group_advantages
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.data import PromptStream, load_prompts
 from relax_launch.rl.loop import assign_advantages, drop_stale, to_batch
-from relax_launch.rl.losses import (
-    LossSpec,
-    distill_advantages,
-    group_advantages,
-    policy_loss,
-    reference_kl,
+from relax_launch.rl.report import MetricsLog
+from relax_launch.rl.rewards import (
+    JUDGE_PREFILL,
+    JUDGE_SCORE_REGEX,
+    RewardError,
+    Rewards,
+    parse_score,
 )
-from relax_launch.rl.rewards import JUDGE_PREFILL, RewardError, Rewards, parse_score
 from relax_launch.rl.samples import Sample
+from relax_launch.trainer.losses import LossSpec, policy_loss, reference_kl
 
 
 def sample(text="", label=None, group=0, response=(5, 6), logprobs=(-1.0, -2.0)) -> Sample:
@@ -189,14 +196,14 @@ def test_failing_reward_functions_mark_samples_invalid_and_count_them():
 
 def test_judge_scores_are_parsed_and_unparseable_replies_counted():
     replies = iter([["Score: 8", "I think it is fine", "score=15"]])
-    rewards = Rewards(config({"name": "judge", "genrm": True}), judge=lambda prompts: next(replies))
+    rewards = Rewards(config({"name": "judge", "genrm": True}), judge=lambda p, r: next(replies))
     samples = [sample("a"), sample("b"), sample("c")]
     metrics = rewards.score(samples)
     assert [s.rewards.get("judge") for s in samples] == [0.8, None, 1.0]
     assert metrics["reward/judge/failed"] == 1 and not samples[1].valid
     assert parse_score("Final. SCORE: 3.5") == 0.35
     with_fallback = Rewards(
-        config({"name": "judge", "genrm": True, "fallback": 0.0}), judge=lambda p: ["?"] * len(p)
+        config({"name": "judge", "genrm": True, "fallback": 0.0}), judge=lambda p, r: ["?"] * len(p)
     )
     samples = [sample("a")]
     assert with_fallback.score(samples)["reward/judge/failed"] == 1
@@ -208,15 +215,25 @@ def test_judge_scores_are_parsed_and_unparseable_replies_counted():
 def test_judge_reply_is_prefilled_so_a_bare_number_scores():
     asked = []
 
-    def judge(prompts):
-        asked.extend(prompts)
+    def judge(prompts, regex):
+        asked.extend((p, regex) for p in prompts)
         return ["7", " 10.", "Score: 4"]
 
     rewards = Rewards(config({"name": "judge", "genrm": True}), judge=judge)
     samples = [sample("a"), sample("b"), sample("c")]
     rewards.score(samples)
     assert [s.rewards["judge"] for s in samples] == [0.7, 1.0, 0.4]
-    assert all(p[-1] == {"role": "assistant", "content": JUDGE_PREFILL} for p in asked)
+    assert all(p[-1] == {"role": "assistant", "content": JUDGE_PREFILL} for p, _ in asked)
+    assert all(regex == JUDGE_SCORE_REGEX for _, regex in asked)
+
+
+def test_every_reply_the_judge_regex_allows_parses_to_its_score():
+    for score in [*map(str, range(11)), "0.5", "7.5", "9.9"]:
+        for reply in (score, f" {score}"):
+            assert re.fullmatch(JUDGE_SCORE_REGEX, reply)
+            assert parse_score(f"{JUDGE_PREFILL} {reply}") == pytest.approx(float(score) / 10)
+    for outside in ("11", "-1", "10.5", "7.55", "7.", "", "  3", "Score: 3"):
+        assert re.fullmatch(JUDGE_SCORE_REGEX, outside) is None
 
 
 def test_batch_trains_only_valid_responses_with_their_advantages():
@@ -291,3 +308,36 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
     ctx.prompts = PromptStream(load_prompts(str(only_long), 0), shuffle=False, seed=0)
     with pytest.raises(RuntimeError, match="max_prompt_tokens=8"):
         next_prompts(ctx)
+
+
+def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monkeypatch, tmp_path):
+    now = [0.0]
+    monkeypatch.setattr(loop, "clock", lambda: now[0])
+
+    def step_of_six_seconds(ctx, step, num_steps):
+        ctx.seconds = {"rollout": 2.0, "train": 3.0, "sync": 1.0}
+        now[0] += 6.0
+        return {"step": step + 1, "reward": 0.5, "tokens_per_s": 1.0}
+
+    class SlowLog(MetricsLog):
+        def write(self, metrics):
+            super().write(metrics)
+            now[0] += 4.0  # e.g. a slow disk under metrics.jsonl and TensorBoard
+
+    monkeypatch.setattr(loop, "rl_step", step_of_six_seconds)
+    console = Console(file=io.StringIO())
+    ctx = SimpleNamespace(
+        algorithm=SimpleNamespace(off_policy_steps=0),
+        log=SlowLog(tmp_path),
+        session=SimpleNamespace(console=console),
+        checkpoints=None,
+        background=None,
+        seconds={},
+    )
+    history = loop.run(ctx, 3, tmp_path)
+    # step k's window starts where step k-1's ended: writing step k-1's row is in step k
+    assert [r["time/step"] for r in history] == [6.0, 10.0, 10.0]
+    assert [r["time/other"] for r in history] == [0.0, 4.0, 4.0]
+    lines = console.file.getvalue().splitlines()
+    assert lines[1].startswith("relax-launch: step 2/3 | reward 0.500")
+    assert "other 4.0s" in lines[1] and lines[1].endswith("ETA 0:08")  # mean 8 s x 1 step left

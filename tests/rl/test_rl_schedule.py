@@ -4,10 +4,12 @@ rollout overlaps training but never a weight sync."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
 import pytest
+from rich.console import Console
 
 from relax_launch.config import DataConfig
 from relax_launch.rl import loop
@@ -24,6 +26,7 @@ class RecordingSession:
     """Trainer and engines as a timeline: what ran when, and the engines' weight version."""
 
     gateway_url = "unused"
+    console = Console(file=io.StringIO())
 
     def __init__(self) -> None:
         self.engine_version = 0
@@ -100,9 +103,7 @@ def test_off_policy_overlaps_the_next_rollout_with_training_but_not_with_sync(
 ):
     monkeypatch.setattr(loop, "collect", fake_collect)
     ctx = context(tmp_path, off_policy_steps=1)
-    started = time.perf_counter()
     history = run(ctx, 4, tmp_path)
-    elapsed = time.perf_counter() - started
     session = ctx.session
     # batch k+1 is generated with the weights of step k while step k trains
     assert [h["weight_version"] for h in history] == [0, 0, 1, 2]
@@ -114,8 +115,6 @@ def test_off_policy_overlaps_the_next_rollout_with_training_but_not_with_sync(
     for step in range(3):  # rollout of step+1 starts before training of step ends
         assert times["rollout-start"][step + 1] < times["train-end"][step]
     assert ctx.skipped_prompts == 4  # one rollout per step, none wasted
-    # 4 overlapped steps take about 5 phases, not the 8 a synchronous run needs
-    assert elapsed < 7 * PHASE_S
     assert all(h["time/wait"] >= 0 for h in history[:-1]) and "time/wait" not in history[-1]
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from relax_launch.config import build_config
 from relax_launch.placement import plan
-from relax_launch.placement.render import roles_label
-from relax_launch.runtime.launcher import explain_failure, label_line
+from relax_launch.runtime.launcher import explain_failure, failure_report
 
 SUMMARY = """
 Root Cause (first observed failure):
@@ -44,7 +43,19 @@ def test_no_summary_no_explanation():
     assert explain_failure(quickstart_plan(), "all good") is None
 
 
-def test_rank_lines_are_labelled_with_rank_and_roles():
-    labels = {r.rank: roles_label(r) for r in quickstart_plan().ranks}
-    assert label_line("[default2]:engine up\n", labels) == "[rank 2 rollout[e0 head]] engine up\n"
-    assert label_line("torchrun: summary\n", labels) == "torchrun: summary\n"
+def test_failure_report_names_the_rank_and_shows_the_end_of_its_log(tmp_path):
+    (tmp_path / "torchrun.log").write_text("E torchrun noise\n" + SUMMARY.format(rank=2, code=1))
+    lines = [f"line {i}" for i in range(100)] + ["ValueError: engine 0 refused the update"]
+    (tmp_path / "rank2.log").write_text("\n".join(lines))
+    report = failure_report(quickstart_plan(), tmp_path, 1).splitlines()
+    assert report[0] == "relax-launch: job failed: rank 2 (rollout[e0 head]) exited with code 1"
+    assert report[1] == f"relax-launch: last lines of {tmp_path / 'rank2.log'}:"
+    assert report[-1] == "  ValueError: engine 0 refused the update"
+    assert len(report) == 2 + 30 and "  line 71" in report and "  line 70" not in report
+
+
+def test_failure_without_a_summary_shows_torchruns_own_log(tmp_path):
+    (tmp_path / "torchrun.log").write_text("torchrun: address already in use\n")
+    report = failure_report(quickstart_plan(), tmp_path, 1).splitlines()
+    assert report[0] == "relax-launch: job failed: torchrun exited with code 1"
+    assert report[-1] == "  torchrun: address already in use"

@@ -1,4 +1,5 @@
-"""Controller programs rank 0 runs on a live job: the RL loop (``launch.py``'s default)."""
+"""The RL program rank 0 runs on a live job (what ``relax_launch/launch.py`` starts): bring up,
+resume from a checkpoint, then the RL loop."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from relax_launch.rl.loop import RLContext, run
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
 from relax_launch.runtime.checkpoint import Checkpoints
+from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.session import Session, bring_up
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
@@ -26,7 +28,7 @@ def rl_program(job: JobConfig) -> Any:
     def program(session: Session) -> list[dict[str, float]]:
         from transformers import AutoTokenizer  # rank 0 only: prompts get the chat template
 
-        log_dir = Path(job.logging.dir.format(name=job.name))
+        log_dir = job.log_dir
         prompts = PromptStream(
             load_prompts(job.data.dataset, job.data.seed),
             shuffle=job.data.shuffle,
@@ -66,15 +68,16 @@ def resume(session: Session, checkpoints: Checkpoints, prompts: PromptStream) ->
     step to continue from and the skipped-prompt count (0, 0 when there is none yet)."""
     found = checkpoints.newest()
     if found is None:
-        print(f"relax-launch: no checkpoint in {checkpoints.directory} yet: starting at step 0")
+        operator_log().info(
+            f"relax-launch: no checkpoint in {checkpoints.directory} yet: starting at step 0"
+        )
         return 0, 0
     step, directory = found
     state = Checkpoints.controller_state(directory)
     optimizer_steps = session.load_trainer(str(directory))
     prompts.restore(PromptCursor(**state["prompts"]))
-    print(
+    operator_log().info(
         f"relax-launch: resuming from {directory}: step {step}, trainer at optimizer step "
-        f"{optimizer_steps}, prompt {state['prompts']['seen']}",
-        flush=True,
+        f"{optimizer_steps}, prompt {state['prompts']['seen']}"
     )
     return step, state["skipped_prompts"]

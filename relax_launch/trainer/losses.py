@@ -1,13 +1,12 @@
-"""The RL loss math: group-normalised advantages, the distillation term, the PPO-clip loss and
-the KL penalty to the initial (reference) policy.
+"""The policy loss the trainer computes: PPO-clip over per-token logprobs, with the KL penalty to
+the initial (reference) policy.
 
-Pure functions of tensors and lists (unit-tested against hand-computed values); the trainer's
-Megatron loss function calls ``policy_loss`` on the per-token logprobs it computed.
+Pure functions of tensors (unit-tested against hand-computed values); the trainer's Megatron
+loss function calls ``policy_loss`` on the per-token logprobs it computed.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,39 +20,6 @@ class LossSpec:
     clip_high: float = 0.2
     aggregation: str = "token"  # "token": mean over all tokens; "sequence": per sequence first
     kl_coef: float = 0.0  # > 0: the trainer scores the batch with the reference model too
-
-
-def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
-    """GRPO: each reward minus its group's mean, over the group's standard deviation.
-
-    Groups are consecutive runs of ``group_size`` rewards (the samples of one prompt). A group
-    whose rewards are all equal carries no signal: its advantages are 0.
-    """
-    if len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
-    out = []
-    for start in range(0, len(rewards), group_size):
-        group = rewards[start : start + group_size]
-        mean = sum(group) / group_size
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / group_size)
-        out += [(r - mean) / (std + eps) if std > 0 else 0.0 for r in group]
-    return out
-
-
-def distill_advantages(
-    sample_logprobs: list[float], teacher_logprobs: list[float], coef: float
-) -> list[float]:
-    """Per-token advantage of on-policy distillation: ``coef * (teacher - student)`` logprob.
-
-    A policy-gradient step with it lowers the reverse KL(student || teacher) on the tokens the
-    student sampled.
-    """
-    if len(sample_logprobs) != len(teacher_logprobs):
-        raise ValueError(
-            f"teacher scored {len(teacher_logprobs)} tokens for a {len(sample_logprobs)}-token "
-            "response"
-        )
-    return [coef * (t - s) for s, t in zip(sample_logprobs, teacher_logprobs, strict=True)]
 
 
 def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
