@@ -47,6 +47,10 @@ SGLANG_CPU_DEPS = [
 # rich: the operator's console (progress with ETA); psutil: finding the processes a job started.
 RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httpx", "httptools", "accelerate"]
 RUNTIME_DEPS += ["rich", "psutil"]
+# The gateway (rank 0): FastAPI on Starlette, aiohttp to the engines, prometheus_client metrics.
+RUNTIME_DEPS += ["fastapi", "starlette", "aiohttp", "prometheus-client"]
+# tensorboard: event files (torch.utils.tensorboard); matplotlib: curves.png; wandb: logging.wandb.
+RUNTIME_DEPS += ["tensorboard", "matplotlib", "wandb"]
 
 setup(
     name="relax-launch",

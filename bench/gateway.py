@@ -1,11 +1,14 @@
 """Benchmark: what the gateway adds on the way to an engine, against sglang-router.
 
-One upstream, reached three ways in the same run: directly, through relax-launch's gateway
-(uvicorn thread, as on rank 0) and through sglang-router (Rust). Two upstreams:
+One upstream, reached three ways in the same run, which take turns: directly, through
+relax-launch's gateway (uvicorn thread, as on rank 0) and through sglang-router (Rust). Two
+upstreams:
   echo    a minimal HTTP server answering a fixed JSON body (isolates the proxy's own cost)
   engine  a real SGLang CPU engine serving the tiny Llama, one new token per request
-Prints p50/p99 latency of sequential requests (keep-alive), the p50/p99 added over direct, and
-requests/s with 16 concurrent clients. Run: ``.venv/bin/python bench/gateway.py [--requests N]``.
+Prints p50/p99 latency of sequential requests (keep-alive), the p50 added over direct, and
+requests/s with 16 concurrent clients. There is no "added p99": a difference of two separately
+measured p99s is not a percentile of anything (it can come out negative).
+Run: ``.venv/bin/python bench/gateway.py [--requests N]``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from relax_launch.models.build import ensure_model
 
 BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 CONCURRENCY = 16
+ROUNDS = 5  # turns per path of the throughput measurement
 ECHO_REPLY = b'{"text": "x", "meta_info": {"completion_tokens": 1}}'
+# gateway req/s over sglang-router's; over echo, also the gateway's added p50 <= 0.5 ms
+TARGETS = {"echo": ">= 0.40", "engine": ">= 1.0"}
 
 
 async def echo_app(scope, receive, send):
@@ -71,19 +77,23 @@ def start_gateway(upstream: str) -> GatewayServer:
     return server
 
 
-def latencies(url: str, n: int) -> list[float]:
+def latencies(urls: dict[str, str], n: int) -> dict[str, list[float]]:
+    """``n`` sequential requests per path, the paths taking turns: load that comes and goes on
+    a shared machine then falls on every path alike."""
     with httpx.Client() as client:
-        for _ in range(20):  # warm-up: connections, caches
-            client.post(url, json=BODY).raise_for_status()
-        out = []
+        for url in urls.values():
+            for _ in range(20):  # warm-up: connections, caches
+                client.post(url, json=BODY).raise_for_status()
+        out: dict[str, list[float]] = {way: [] for way in urls}
         for _ in range(n):
-            started = time.perf_counter()
-            client.post(url, json=BODY).raise_for_status()
-            out.append(time.perf_counter() - started)
+            for way, url in urls.items():
+                started = time.perf_counter()
+                client.post(url, json=BODY).raise_for_status()
+                out[way].append(time.perf_counter() - started)
     return out
 
 
-async def _throughput(url: str, seconds: float) -> float:
+async def _throughput(url: str, seconds: float) -> tuple[int, float]:
     done = 0
     deadline = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
@@ -98,7 +108,18 @@ async def _throughput(url: str, seconds: float) -> float:
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-        return done / (time.perf_counter() - started)
+        return done, time.perf_counter() - started
+
+
+def throughputs(urls: dict[str, str], seconds: float) -> dict[str, float]:
+    """Requests/s of each path over ``seconds``, in ``ROUNDS`` turns (as for ``latencies``)."""
+    done = dict.fromkeys(urls, 0)
+    took = dict.fromkeys(urls, 0.0)
+    for _ in range(ROUNDS):
+        for way, url in urls.items():
+            n, s = asyncio.run(_throughput(url, seconds / ROUNDS))
+            done[way], took[way] = done[way] + n, took[way] + s
+    return {way: done[way] / took[way] for way in urls}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -107,7 +128,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure(name: str, upstream: str, requests: int, seconds: float, log_dir: Path) -> None:
     gateway = start_gateway(upstream)
-    router = SGLangRouter(worker_urls=[upstream], log_path=log_dir / f"router-{name}.log")
+    router = SGLangRouter(
+        worker_urls=[upstream], log_path=log_dir / f"router-{name}.log", policy="round_robin"
+    )
     router.start(120)
     paths = {
         "direct": upstream + "/generate",
@@ -115,31 +138,26 @@ def measure(name: str, upstream: str, requests: int, seconds: float, log_dir: Pa
         "sglang-router": router.url + "/generate",
     }
     try:
-        rows = {}
-        for way, url in paths.items():
-            lat = latencies(url, requests)
-            rows[way] = (
-                percentile(lat, 50),
-                percentile(lat, 99),
-                asyncio.run(_throughput(url, seconds)),
-            )
+        lat, rps = latencies(paths, requests), throughputs(paths, seconds)
+        rows = {
+            way: (percentile(lat[way], 50), percentile(lat[way], 99), rps[way]) for way in paths
+        }
     finally:
         router.stop()
         gateway.stop()
-    base50, base99, _ = rows["direct"]
+    base50 = rows["direct"][0]
     print(
         f"\nupstream: {name} ({requests} sequential requests, "
         f"{CONCURRENCY} concurrent for {seconds:.0f} s)"
     )
-    print(f"  {'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8}")
+    print(f"  {'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'req/s':>8}")
     for way, (p50, p99, rps) in rows.items():
         print(
-            f"  {way:<14} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p50 - base50) * 1e3:8.2f} "
-            f"{(p99 - base99) * 1e3:8.2f} {rps:8.0f}"
+            f"  {way:<14} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p50 - base50) * 1e3:8.2f} {rps:8.0f}"
         )
     ratio = rows["gateway"][2] / rows["sglang-router"][2]
-    print(f"  gateway throughput / sglang-router throughput = {ratio:.2f} (target >= 1.0)")
-    print(f"  gateway added p50 = {(rows['gateway'][0] - base50) * 1e3:.2f} ms (target <= 1 ms)")
+    print(f"  gateway throughput / sglang-router throughput = {ratio:.2f} (target {TARGETS[name]})")
+    print(f"  gateway added p50 = {(rows['gateway'][0] - base50) * 1e3:.2f} ms")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml")) + sorted(
     p for p in (REPO / "configs" / "python").glob("*.py") if not p.name.startswith("_")
 )
 HEAVY = ("torch", "sglang", "megatron", "fastapi", "uvicorn", "transformers")
+HEAVY += ("matplotlib", "wandb", "tensorboard", "rich")
 
 
 def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

@@ -72,7 +72,10 @@ def render_reference() -> str:
             inner = typing.get_args(sub_field.annotation)
             sub_model = _section_model(inner[0]) if inner else None
             if sub_model is not None:
-                lines += [f"### `{name}.{sub_name}[]`", "", *_table(sub_model), ""]
+                is_list = typing.get_origin(sub_field.annotation) in (tuple, list)
+                title = f"{name}.{sub_name}" + ("[]" if is_list else "")
+                lines += [f"### `{title}`", "", (sub_model.__doc__ or "").strip(), ""]
+                lines += [*_table(sub_model), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

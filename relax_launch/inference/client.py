@@ -30,15 +30,25 @@ from relax_launch.inference.routing import (
     ROUTING_KEY_HEADER,
     ModelUnavailable,
     RouteResolver,
+    RouteTarget,
 )
 
 
 class InferenceError(RuntimeError):
-    """The gateway or an engine answered with an error status."""
+    """The gateway or an engine answered with an error status; ``message`` is the gateway's
+    ``error.message`` when the reply carries one (the engine's body otherwise)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
-        self.status = status
+        self.status, self.message = status, message
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> InferenceError:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:2000]
+        return cls(response.status_code, str(message))
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,20 @@ class Prepared:
     url: str
     body: bytes
     headers: dict[str, str]
+    model_id: str = "-"  # the model it was routed to ("-" when sent through the gateway)
+
+
+def engine_request(target: RouteTarget, path: str, payload: dict[str, Any]) -> Prepared:
+    """``payload`` for ``path`` shaped as the gateway forwards it to ``target``: routing fields
+    dropped, an OpenAI-style body naming the served model, the routing key for sglang-router."""
+    body = {k: v for k, v in payload.items() if k not in ROUTING_FIELDS}
+    if path != "/generate":
+        body["model"] = target.served_model_name
+    headers = {"content-type": "application/json"}
+    if target.routing_key is not None:  # sglang-router picks the engine by it
+        headers[ROUTING_KEY_HEADER] = target.routing_key
+    url = target.base_url + ENGINE_PATHS[path]
+    return Prepared(url, orjson.dumps(body), headers, target.model_id)
 
 
 class _Planner:
@@ -89,17 +113,12 @@ class _Planner:
         target = self.resolver.resolve(
             snapshot, payload.get("model"), payload.get("route_key"), affinity
         )
-        body = {k: v for k, v in payload.items() if k not in ROUTING_FIELDS}
-        if path != "/generate":
-            body["model"] = target.served_model_name
-        if target.routing_key is not None:  # sglang-router picks the engine by it
-            headers[ROUTING_KEY_HEADER] = target.routing_key
-        return Prepared(target.base_url + ENGINE_PATHS[path], orjson.dumps(body), headers)
+        return engine_request(target, path, payload)
 
 
 def _check(response: httpx.Response) -> None:
     if response.status_code >= 400:
-        raise InferenceError(response.status_code, response.text[:2000])
+        raise InferenceError.of(response)
 
 
 def _refused(response: httpx.Response) -> bool:

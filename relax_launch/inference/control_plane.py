@@ -1,5 +1,6 @@
 """ControlPlane: rank 0's inference side of the job — one ``InferenceManager`` per role, the
-gateway thread and, in route mode ``router``, the sglang-router process in front of rollout.
+gateway thread (the door for external clients), the controller's in-process ``EngineClients``
+and, in route mode ``router``, the sglang-router process in front of rollout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.gateway import InferenceGateway, Renderer
+from relax_launch.inference.inprocess import EngineClients
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.serve import GatewayServer
@@ -81,7 +83,8 @@ def chat_renderer(model_dir: Path) -> Renderer:
 
 
 class ControlPlane:
-    """Managers, gateway and router of one job; ``close`` stops what it started."""
+    """Managers, gateway, engine clients and router of one job; ``close`` stops what it
+    started. The RL controller reaches the engines through ``engines``, not the gateway."""
 
     def __init__(
         self,
@@ -100,6 +103,13 @@ class ControlPlane:
             self.managers, config=gateway, admin_token=admin_token, renderers=renderers
         )
         self.server = GatewayServer(app, gateway.host, gateway.port)
+        # the controller's requests are counted beside the gateway's, on its /metrics
+        self.engines = EngineClients(
+            self.managers,
+            timeout_s=gateway.request_timeout_s,
+            renderers=renderers,
+            registry=app.metrics.registry,
+        )
         self.router: SGLangRouter | None = None
 
     @property
@@ -107,8 +117,10 @@ class ControlPlane:
         return self.server.url
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Serve the gateway (alive, nothing ready yet) and record where it listens."""
+        """Serve the gateway (alive, nothing ready yet), record where it listens, and start the
+        controller's engine clients."""
         self.server.start(timeout_s)
+        self.engines.start()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         record = {"url": self.url, "roles": sorted(self.managers)}
         (self.log_dir / "gateway.json").write_text(json.dumps(record) + "\n")
@@ -133,10 +145,11 @@ class ControlPlane:
         manager.attach(handles, router_url=router_url)
 
     def close(self) -> None:
-        """Stop routing, keep the final metrics (``gateway_metrics.txt``), stop what we started."""
-        metrics = self.server.app.metrics.render(self.managers)
+        """Stop routing, keep the final metrics (``gateway_metrics.txt``: the gateway's and the
+        controller's requests), stop what we started."""
+        self.engines.close()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        (self.log_dir / "gateway_metrics.txt").write_text(metrics)
+        (self.log_dir / "gateway_metrics.txt").write_bytes(self.server.app.metrics.render())
         for manager in self.managers.values():
             manager.shutdown()
         if self.router is not None:

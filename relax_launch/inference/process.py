@@ -7,16 +7,15 @@ gets SIGTERM if the rank that started it dies, and never sees torchrun's environ
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
-import json
 import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
+
+import aiohttp
 
 PROBE = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
@@ -42,17 +41,8 @@ class OwnedProcess:
         raise NotImplementedError
 
     def probe(self, timeout_s: float) -> None:
-        """Raises (OSError) until the server generates a token."""
-        self.post("/generate", PROBE, timeout_s)
-
-    def post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
-        request = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+        """Raises (aiohttp.ClientError, TimeoutError) until the server generates a token."""
+        asyncio.run(_generate_one(self.url, timeout_s))
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return base
@@ -90,7 +80,7 @@ class OwnedProcess:
             try:
                 self.probe(timeout_s=5)
                 return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            except (aiohttp.ClientError, TimeoutError, OSError):
                 time.sleep(0.5)
         raise ProcessStartError(
             f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s:\n{self.log_tail()}"
@@ -117,6 +107,16 @@ class OwnedProcess:
             if not group_alive(self.process.pid):
                 break
         self.process.wait(timeout=5)
+
+
+async def _generate_one(url: str, timeout_s: float) -> None:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(url + "/generate", json=PROBE) as reply,
+    ):
+        reply.raise_for_status()  # e.g. the router's 503 while it has no healthy worker
+        await reply.read()
 
 
 # Set by torchrun for its workers; SGLang reads some of them (e.g. LOCAL_RANK picks a NUMA node)

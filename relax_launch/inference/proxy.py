@@ -3,6 +3,9 @@
 Timeouts answer 504, transport failures 502; an upstream HTTP error keeps its status and body.
 A stream is piped chunk by chunk, its upstream response closed exactly once (on the end, an
 error, the deadline or the client's disconnect), and never replayed after its first chunk.
+
+aiohttp, not httpx (the package's client everywhere else): forwarding one request costs httpx
+several times the CPU (docs/gateway.md, "Performance"), and the gateway's CPU is its throughput.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import logging
 from collections.abc import Iterable
 
 import aiohttp
+from fastapi import HTTPException, Response
+from starlette.types import Receive, Scope, Send
 
-from relax_launch.inference.asgi import HttpError, Receive, Send, send_bytes
 from relax_launch.inference.routing import ROUTING_KEY_HEADER
 
 log = logging.getLogger("relax_launch.gateway")
@@ -45,29 +49,29 @@ class Upstream:
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=2048, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        )
 
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
 
-    async def forward(self, send: Send, url: str, body: bytes, headers: dict[str, str]) -> int:
-        """POST and relay the whole reply; returns its status."""
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+    async def forward(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
+        """POST and return the whole reply."""
         try:
-            async with self.session.post(url, data=body, headers=headers, timeout=timeout) as r:
+            async with self.session.post(url, data=body, headers=headers) as r:
                 data = await r.read()
-                status, content_type = r.status, r.headers.get("content-type", "application/json")
-                returned = [(k, r.headers[k]) for k in RETURNED_RESPONSE_HEADERS if k in r.headers]
+                returned = {k: r.headers[k] for k in RETURNED_RESPONSE_HEADERS if k in r.headers}
+                returned["content-type"] = r.headers.get("content-type", "application/json")
+                return Response(data, r.status, returned)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._error(exc, url) from None
-        await send_bytes(send, status, data, content_type, returned)
-        return status
 
-    async def stream(
-        self, send: Send, receive: Receive, url: str, body: bytes, headers: dict[str, str]
-    ) -> int:
-        """POST and pipe the SSE reply; an upstream error before the first byte is an HTTP error."""
+    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
+        """POST for an SSE reply; an upstream error before the first byte is an HTTP error."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s)
         try:
             response = await asyncio.wait_for(
@@ -75,53 +79,61 @@ class Upstream:
             )
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._error(exc, url) from None
+        if response.status == 200:
+            return UpstreamStream(response, url, self.timeout_s)
         try:
-            if response.status != 200:
-                data = await response.read()
-                content_type = response.headers.get("content-type", "application/json")
-                await send_bytes(send, response.status, data, content_type)
-                return response.status
-            await self._pipe(send, receive, response, url)
-            return 200
+            data = await response.read()
         finally:
-            response.close()  # exactly once, whatever ended the stream
+            response.close()
+        content_type = response.headers.get("content-type", "application/json")
+        return Response(data, response.status, {"content-type": content_type})
 
-    def _error(self, exc: Exception, url: str) -> HttpError:
+    def _error(self, exc: Exception, url: str) -> HTTPException:
         if isinstance(exc, TimeoutError):
-            return HttpError(504, f"upstream {url} did not answer within {self.timeout_s:.0f} s")
-        return HttpError(502, f"upstream {url} unavailable: {type(exc).__name__}: {exc}")
+            why = f"did not answer within {self.timeout_s:.0f} s"
+            return HTTPException(504, f"upstream {url} {why}")
+        return HTTPException(502, f"upstream {url} unavailable: {type(exc).__name__}: {exc}")
 
-    async def _pipe(
-        self, send: Send, receive: Receive, response: aiohttp.ClientResponse, url: str
-    ) -> None:
-        content_type = response.headers.get("content-type", "text/event-stream").encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", content_type), (b"cache-control", b"no-cache")],
-            }
-        )
-        pump = asyncio.ensure_future(_relay(send, response))
+
+class UpstreamStream(Response):
+    """An upstream SSE reply piped to the client until it ends, fails, passes the deadline or
+    the client disconnects (Starlette's StreamingResponse has no deadline and, under uvicorn,
+    notices a disconnect only on its next write, which a stalled upstream never makes)."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse, url: str, deadline_s: float) -> None:
+        self.upstream, self.url, self.deadline_s = upstream, url, deadline_s
+        self.status_code, self.background = 200, None
+        content_type = upstream.headers.get("content-type", "text/event-stream")
+        # no body set, so no content-length: the reply is chunked, as its length is unknown
+        self.init_headers({"content-type": content_type, "cache-control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self._pipe(send, receive)
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.upstream.close()  # exactly once, whatever ended the stream
+
+    async def _pipe(self, send: Send, receive: Receive) -> None:
+        pump = asyncio.ensure_future(_relay(send, self.upstream))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait(
-                {pump, watcher}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+                {pump, watcher}, timeout=self.deadline_s, return_when=asyncio.FIRST_COMPLETED
             )
             if pump not in done:
                 why = "client disconnected" if watcher in done else "stream deadline passed"
-                log.warning("closing upstream stream %s: %s", url, why)
+                log.warning("closing upstream stream %s: %s", self.url, why)
             elif pump.exception() is not None:
-                log.warning(
-                    "upstream stream %s failed midway (not replayed): %s", url, pump.exception()
-                )
+                why = pump.exception()
+                log.warning("upstream stream %s failed midway (not replayed): %s", self.url, why)
         finally:
             for task in (pump, watcher):
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        with contextlib.suppress(OSError):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _relay(send: Send, response: aiohttp.ClientResponse) -> None:

@@ -1,18 +1,22 @@
 """Request bodies the gateway accepts, validated before any engine is touched.
 
-The same models produce the gateway's OpenAPI document. Generation fields SGLang knows beyond
-these pass through untouched (``extra="allow"``); sampling parameters are checked strictly,
-since SGLang would fail on them only after admission.
+FastAPI generates the gateway's OpenAPI document from these models (each body route declares
+one). Generation fields SGLang knows beyond these pass through untouched (``extra="allow"``);
+sampling parameters are checked strictly, since SGLang would fail on them only after admission.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
+import orjson
+from fastapi import HTTPException, Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from relax_launch.inference.asgi import HttpError
+from starlette.requests import ClientDisconnect
 
 # Never empty: SGLang's CPU engine crashes (and stays down) on a prompt of zero tokens.
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -134,4 +138,77 @@ def validate(model: type[BaseModel], payload: dict[str, Any]) -> BaseModel:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise HttpError(400, f"{where}: {first['msg']}") from None
+        raise HTTPException(400, f"{where}: {first['msg']}") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body; 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise HTTPException(499, "client disconnected") from None
+    return b"".join(chunks)
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object (an empty body is ``{}``), whatever its Content-Type says."""
+    if not body:
+        return {}
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise HTTPException(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise HTTPException(400, "request body must be a JSON object")
+    return payload
+
+
+Guard = Callable[[Request], None]
+
+
+class JsonBodyRoute(APIRoute):
+    """A POST route that reads and validates its JSON body the gateway's way, then calls
+    ``endpoint(request, body)``; FastAPI documents the body from the endpoint's ``body``
+    annotation, as for any route.
+
+    Not FastAPI's request handler, for two reasons: the gateway's contract (a body read only up to
+    ``body_limit`` bytes, JSON whatever the Content-Type says, as ``curl -d`` sends a form type,
+    and a 400 naming the first bad field), and cost on the generation path (FastAPI's dependency
+    solving costs about as much CPU per request as the rest of the gateway; bench/gateway.py).
+    ``guard`` (the admin token check) runs before the body is read. The raw body and its parsed
+    object stay on ``request.state`` (``raw_body``, ``payload``) for byte-faithful forwarding.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        endpoint: Callable[..., Awaitable[Response]],
+        *,
+        body_limit: int,
+        guard: Guard | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.body_limit, self.guard = body_limit, guard
+        self.body_model = inspect.signature(endpoint, eval_str=True).parameters["body"].annotation
+        super().__init__(path, endpoint, methods=["POST"], **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        return self.respond
+
+    async def respond(self, request: Request) -> Response:
+        """The endpoint's reply; an HTTPException for a refused request."""
+        if self.guard is not None:
+            self.guard(request)
+        raw = await read_body(request, self.body_limit)
+        payload = parse_object(raw)
+        body = validate(self.body_model, payload)
+        request.state.raw_body, request.state.payload = raw, payload
+        return await self.endpoint(request, body)

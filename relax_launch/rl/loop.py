@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
 from relax_launch.rl.advantages import distill_advantages, group_advantages
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
@@ -36,8 +37,8 @@ from relax_launch.runtime.session import Session
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
 
-# The background rollout's requests each time out after 600 s (rollout.py); this bounds the
-# wait for all of them with room to spare.
+# The background rollout's requests each time out after gateway.request_timeout_s (300 s by
+# default); this bounds the wait for all of them with room to spare.
 ROLLOUT_WAIT_S = 900.0
 clock = time.perf_counter  # the step clock (a test steps it by hand)
 
@@ -65,6 +66,7 @@ class RLContext:
     rewards: Rewards
     log: MetricsLog
     has_teacher: bool
+    engines: EngineClients  # the engines, reached in process (rl/rollout.py)
     skipped_prompts: int = 0
     checkpoints: Checkpoints | None = None
     checkpoint_every: int = 0  # steps; 0: only at the end
@@ -144,7 +146,7 @@ def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
         prompts = next_prompts(ctx)
         cursor = ctx.prompts.checkpoint()
         samples = rollout.generate(
-            ctx.session.gateway_url,
+            ctx.engines,
             prompts,
             n=a.n_samples_per_prompt,
             temperature=a.temperature,
@@ -152,7 +154,7 @@ def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
         )
     if ctx.has_teacher:
         with timed(seconds, "teacher"):
-            rollout.score_with_teacher(ctx.session.gateway_url, samples)
+            rollout.score_with_teacher(ctx.engines, samples)
     with timed(seconds, "reward"):
         metrics = ctx.rewards.score(samples)
     assign_advantages(samples, a.n_samples_per_prompt)

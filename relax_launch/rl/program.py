@@ -3,6 +3,7 @@ resume from a checkpoint, then the RL loop."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from relax_launch.models.build import ensure_model
 from relax_launch.rl import rollout
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
 from relax_launch.rl.loop import RLContext, run
-from relax_launch.rl.report import MetricsLog
+from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
 from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.console import operator_log
@@ -26,8 +27,6 @@ def rl_program(job: JobConfig) -> Any:
     then run the RL steps up to ``algorithm.num_steps``."""
 
     def program(session: Session) -> list[dict[str, float]]:
-        from transformers import AutoTokenizer  # rank 0 only: prompts get the chat template
-
         log_dir = job.log_dir
         prompts = PromptStream(
             load_prompts(job.data.dataset, job.data.seed),
@@ -39,28 +38,46 @@ def rl_program(job: JobConfig) -> Any:
             directory = Path(job.checkpoint.dir.format(name=job.name))
             checkpoints = Checkpoints(directory, job.checkpoint.keep_last)
         start, skipped = resume(session, checkpoints, prompts) if job.checkpoint.resume else (0, 0)
-        bring_up(session, weight_version=start)
-        judge = None
-        if job.genrm is not None:
-            judge = functools.partial(
-                rollout.judge, session.gateway_url, max_tokens=JUDGE_MAX_TOKENS
-            )
-        context = RLContext(
-            session=session,
-            algorithm=job.algorithm,
-            data=job.data,
-            prompts=prompts,
-            tokenizer=AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model()))),
-            rewards=Rewards(job.reward, judge=judge),
-            log=MetricsLog(log_dir, tensorboard=job.logging.tensorboard, resume_step=start),
-            has_teacher=job.teacher is not None,
-            skipped_prompts=skipped,
-            checkpoints=checkpoints,
-            checkpoint_every=job.checkpoint.every_steps,
-        )
-        return run(context, job.algorithm.num_steps, log_dir, start_step=start)
+        # metric sinks before the engines' first sync: a W&B login problem fails fast
+        sinks = metric_sinks(job.logging, log_dir, start, job.name, job.model_dump(mode="json"))
+        log = MetricsLog(log_dir, resume_step=start, sinks=sinks)
+        with contextlib.closing(log):  # on success run() has closed it already
+            bring_up(session, weight_version=start)
+            context = rl_context(job, session, prompts, log, checkpoints, skipped)
+            return run(context, job.algorithm.num_steps, log_dir, start_step=start)
 
     return program
+
+
+def rl_context(
+    job: JobConfig,
+    session: Session,
+    prompts: PromptStream,
+    log: MetricsLog,
+    checkpoints: Checkpoints | None,
+    skipped: int,
+) -> RLContext:
+    """What every RL step needs, from the job's sections and the live session."""
+    from transformers import AutoTokenizer  # rank 0 only: prompts get the chat template
+
+    engines = session.control_plane.engines  # the controller's in-process engine clients
+    judge = None
+    if job.genrm is not None:
+        judge = functools.partial(rollout.judge, engines, max_tokens=JUDGE_MAX_TOKENS)
+    return RLContext(
+        session=session,
+        algorithm=job.algorithm,
+        data=job.data,
+        prompts=prompts,
+        tokenizer=AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model()))),
+        rewards=Rewards(job.reward, judge=judge),
+        log=log,
+        has_teacher=job.teacher is not None,
+        engines=engines,
+        skipped_prompts=skipped,
+        checkpoints=checkpoints,
+        checkpoint_every=job.checkpoint.every_steps,
+    )
 
 
 def resume(session: Session, checkpoints: Checkpoints, prompts: PromptStream) -> tuple[int, int]:

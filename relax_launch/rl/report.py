@@ -1,14 +1,15 @@
-"""What a run shows and leaves behind: a progress line per step, metrics.jsonl, a PNG of the
-curves and a one-screen summary."""
+"""What a run shows and leaves behind: a progress line per step, the metrics (metrics.jsonl,
+TensorBoard, optionally Weights & Biases), a PNG of the curves and a one-screen summary."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from PIL import Image, ImageDraw
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -19,26 +20,47 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from relax_launch.rl.tensorboard import EventWriter
+from relax_launch.runtime.config import LoggingConfig, WandbConfig
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PHASE_KEYS = ("rollout", "teacher", "reward", "train", "wait", "sync", "checkpoint", "other")
-# One panel per row: its title and the curves it draws (each only when the run has it).
+# One panel per entry: title, y-axis label and the curves it draws (each only when the run has
+# it); one panel per reward source follows "reward".
 PANELS = (
-    ("reward", ("reward",)),
-    ("KL", ("reverse_kl", "kl_ref")),
-    ("seconds per phase", tuple(f"time/{p}" for p in PHASE_KEYS)),
+    ("reward", "mean reward", ("reward",)),
+    ("KL", "nats per token", ("reverse_kl", "kl_ref", "approx_kl")),
+    ("policy loss", "loss", ("loss",)),
+    ("gradient norm", "L2 norm", ("grad_norm",)),
+    ("seconds per phase", "seconds", tuple(f"time/{p}" for p in PHASE_KEYS)),
+    ("rollout throughput", "tokens/s", ("tokens_per_s",)),
+    ("response length", "tokens per sample", ("response_tokens",)),
+    ("weight sync", "GB/s", ("sync/gb_per_s",)),
 )
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+SMOOTHING = 0.6  # EMA weight of the previous smoothed value (TensorBoard's slider)
+WANDB_RUN_ID = "wandb-run-id"  # in the run dir: the W&B run a resumed job continues
+
+
+class MetricsSink(Protocol):
+    """Somewhere each step's scalars go besides metrics.jsonl (TensorBoard, W&B)."""
+
+    def write(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``{dir}/metrics.jsonl`` (and TensorBoard scalars).
+    """Appends one JSON object per step to ``{dir}/metrics.jsonl`` and hands its numbers to the
+    sinks.
 
     ``resume_step`` keeps the rows of steps up to it from an earlier run (in ``history``) and
     drops later ones, which the resumed run writes again.
     """
 
-    def __init__(self, log_dir: Path, tensorboard: bool = False, resume_step: int = 0) -> None:
+    def __init__(
+        self, log_dir: Path, resume_step: int = 0, sinks: Sequence[MetricsSink] = ()
+    ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
         self.history: list[dict[str, float]] = []
@@ -46,17 +68,106 @@ class MetricsLog:
             rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
             self.history = [r for r in rows if r.get("step", 0) <= resume_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-        self.events = EventWriter(log_dir) if tensorboard else None
+        self.sinks = list(sinks)
 
     def write(self, metrics: dict[str, float]) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(metrics) + "\n")
-        if self.events is not None:
-            self.events.add(int(metrics["step"]), metrics)
+        scalars = {
+            key: float(value)
+            for key, value in metrics.items()
+            if key != "step" and isinstance(value, int | float) and not math.isnan(value)
+        }
+        for sink in self.sinks:
+            sink.write(int(metrics["step"]), scalars)
+
+    def close(self) -> None:
+        """Close the sinks (once; a W&B run keeps a service process until closed)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def finish(self, history: list[dict[str, float]], log_dir: Path) -> str:
-        """The run's summary, after drawing its curves."""
-        return summary(history, self.path, plot_curves(history, log_dir / "curves.png"))
+        """Close the sinks; the run's summary, after drawing its curves."""
+        self.close()
+        path = log_dir / "curves.png"
+        plot_curves(history, path)
+        return summary(history, self.path, path)
+
+
+def metric_sinks(
+    settings: LoggingConfig,
+    log_dir: Path,
+    resume_step: int,
+    run_name: str,
+    run_config: dict[str, Any],
+) -> list[MetricsSink]:
+    """The sinks ``logging`` asks for; ``run_config`` (the job's config) goes along to W&B."""
+    sinks: list[MetricsSink] = []
+    if settings.tensorboard:
+        sinks.append(TensorBoardSink(log_dir, resume_step))
+    if settings.wandb is not None:
+        sinks.append(WandbSink(settings.wandb, log_dir, resume_step, run_name, run_config))
+    return sinks
+
+
+class TensorBoardSink:
+    """Scalars in ``{log_dir}/events.out.tfevents.*``, a new file per launch. A launch at step S
+    (resumed from a checkpoint, or S = 0) hides the events of earlier files from step S+1 on
+    (TensorBoard's purge_step), so steps run again after a crash are not shown twice."""
+
+    def __init__(self, log_dir: Path, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # rank 0 only, when enabled
+
+        self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # a crashed run keeps every step it wrote
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Each step logged to a W&B run whose files live under ``{log_dir}/wandb``. The run's id
+    is kept in ``{log_dir}/wandb-run-id``: a job resumed at step S rewinds that run to S
+    (W&B's ``resume_from``), so steps run again after a crash replace the earlier ones, as in
+    metrics.jsonl; a fresh start begins a new run."""
+
+    def __init__(
+        self,
+        settings: WandbConfig,
+        log_dir: Path,
+        resume_step: int,
+        run_name: str,
+        run_config: dict[str, Any],
+    ) -> None:
+        import wandb  # only when logging.wandb is set
+
+        id_file = log_dir / WANDB_RUN_ID
+        rewind = None
+        if resume_step and id_file.is_file():
+            rewind = f"{id_file.read_text().strip()}?_step={resume_step}"
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=settings.project,
+            mode=settings.mode,
+            dir=str(log_dir),
+            name=run_name,
+            config=run_config,
+            settings=wandb.Settings(console="off"),  # the rank log already has the output
+            resume_from=rewind,
+        )
+        id_file.write_text(self.run.id)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        self.wandb.teardown()  # stops the wandb-core service this process started
 
 
 class StepProgress:
@@ -144,48 +255,64 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
     return "\n".join(lines)
 
 
-def plot_curves(history: list[dict[str, float]], path: Path) -> Path:
-    """One panel per row of ``PANELS`` (reward, KL, seconds per phase) against the step."""
-    width, panel = 720, 200
-    shown = [(title, [k for k in keys if any(k in r for r in history)]) for title, keys in PANELS]
-    shown = [(title, keys) for title, keys in shown if keys]
-    image = Image.new("RGB", (width, panel * max(1, len(shown))), "white")
-    draw = ImageDraw.Draw(image)
-    for row, (title, keys) in enumerate(shown):
-        series = {
-            key: [(r["step"], r[key]) for r in history if key in r and not math.isnan(r[key])]
-            for key in keys
-        }
-        values = [v for points in series.values() for _, v in points]
-        top, left, right, bottom = row * panel + 24, 60, width - 20, (row + 1) * panel - 24
-        draw.rectangle([left, top, right, bottom], outline="#999999")
-        if not values:
-            draw.text((left, top - 18), title, fill="black")
-            continue
-        steps = [s for points in series.values() for s, _ in points]
-        lo, hi = min(values), max(values)
-        hi = hi if hi > lo else lo + 1.0
-        first, span = min(steps), (max(steps) - min(steps)) or 1
-        legend = left
-        draw.text((legend, top - 18), f"{title}:", fill="black")
-        legend += 8 * len(title) + 12
-        for i, (key, points) in enumerate(series.items()):
-            color = COLORS[i % len(COLORS)]
-            name = key.removeprefix("time/")
-            draw.text((legend, top - 18), name, fill=color)
-            legend += 7 * len(name) + 12
-            pixels = [
-                (
-                    left + (right - left) * (step - first) / span,
-                    bottom - (bottom - top) * (value - lo) / (hi - lo),
-                )
-                for step, value in points
+def plot_curves(history: list[dict[str, float]], path: Path) -> Figure:
+    """Draw ``PANELS`` (and a panel per reward source) against the step into ``path``: the raw
+    points faint, an EMA over them solid. Returns the figure it saved."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # rank 0, once per run
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    panels = shown_panels(history)
+    columns = 2 if len(panels) > 1 else 1
+    rows = max(1, math.ceil(len(panels) / columns))
+    figure = Figure(figsize=(6.5 * columns, 3.2 * rows), layout="constrained")
+    FigureCanvasAgg(figure)  # no display: draw with Agg
+    for index, (title, unit, keys) in enumerate(panels):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        axes.set(title=title, xlabel="step", ylabel=unit)
+        axes.grid(alpha=0.3)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+        for number, key in enumerate(keys):
+            points = [(r["step"], r[key]) for r in history if key in r and not math.isnan(r[key])]
+            steps, values = [s for s, _ in points], [v for _, v in points]
+            color = f"C{number}"
+            axes.plot(steps, values, color=color, alpha=0.3, marker="o", markersize=3)
+            axes.plot(steps, ema(values), color=color, label=key.removeprefix("time/"))
+        if len(keys) > 1:
+            axes.legend(fontsize="small")
+    if not panels:
+        figure.text(0.5, 0.5, "no metrics", ha="center")
+    figure.savefig(path, dpi=100)
+    return figure
+
+
+def shown_panels(history: list[dict[str, float]]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The panels the run has points for, each with only the curves it has."""
+    sources = sorted(
+        {k for r in history for k in r if k.startswith("reward/") and not k.endswith("/failed")}
+    )
+    panels = []
+    for title, unit, keys in PANELS:
+        panels.append((title, unit, keys))
+        if title == "reward":
+            panels += [
+                (f"reward: {k.removeprefix('reward/')}", "mean reward", (k,)) for k in sources
             ]
-            if len(pixels) > 1:
-                draw.line(pixels, fill=color, width=2)
-            for x, y in pixels:
-                draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
-        draw.text((4, top), f"{hi:.3g}", fill="black")
-        draw.text((4, bottom - 12), f"{lo:.3g}", fill="black")
-    image.save(path)
-    return path
+    has = [
+        (
+            title,
+            unit,
+            tuple(k for k in keys if any(not math.isnan(r.get(k, math.nan)) for r in history)),
+        )
+        for title, unit, keys in panels
+    ]
+    return [(title, unit, keys) for title, unit, keys in has if keys]
+
+
+def ema(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average, debiased like TensorBoard's (the first point is itself)."""
+    smoothed, last = [], 0.0
+    for count, value in enumerate(values, 1):
+        last = weight * last + (1 - weight) * value
+        smoothed.append(last / (1 - weight**count))
+    return smoothed

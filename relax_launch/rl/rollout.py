@@ -1,4 +1,5 @@
-"""Generation, teacher scoring and judging through the gateway (every request concurrent).
+"""Generation, teacher scoring and judging through the controller's engine clients (every
+request of a phase concurrent, on the job's one event loop; no hop through the gateway).
 
 Every request carries a routing key: a prompt's group, for the samples of one prompt and their
 teacher scoring. Under ``gateway.routing_policy: affinity`` a group then shares an engine (and
@@ -10,23 +11,31 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from relax_launch.inference.client import AsyncInferenceClient
+from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
 
 
-async def _gather(gateway_url: str, role: str, calls: list[tuple[str, dict, str | None]]) -> list:
-    client = AsyncInferenceClient(gateway_url, role, timeout_s=600)
-    try:
-        return await asyncio.gather(
-            *(client.request(path, body, affinity_key=key) for path, body, key in calls)
-        )
-    finally:
-        await client.aclose()
+def _gather(engines: EngineClients, role: str, calls: list[tuple[str, dict, str | None]]) -> list:
+    """Every call's reply, in order; the first failure cancels the rest and is raised."""
+    client = engines.client(role)
+
+    async def every() -> list:
+        tasks = [
+            asyncio.ensure_future(client.request(path, body, affinity_key=key))
+            for path, body, key in calls
+        ]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # a no-op for the finished ones
+                task.cancel()
+
+    return engines.run(every(), what=f"{len(calls)} {role} requests")
 
 
 def generate(
-    gateway_url: str,
+    engines: EngineClients,
     prompts: list[tuple[Prompt, list[int]]],
     *,
     n: int,
@@ -44,7 +53,7 @@ def generate(
         for g, (_, ids) in enumerate(prompts)
         for _ in range(n)
     ]
-    replies = asyncio.run(_gather(gateway_url, "rollout", calls))
+    replies = _gather(engines, "rollout", calls)
     samples = []
     for i, reply in enumerate(replies):
         prompt, ids = prompts[i // n]
@@ -66,7 +75,7 @@ def generate(
     return samples
 
 
-def score_with_teacher(gateway_url: str, samples: list[Sample]) -> None:
+def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:
     """Write the teacher's logprob of every sampled response token onto each sample."""
     calls = []
     scored_samples = [s for s in samples if s.response_ids]
@@ -79,7 +88,7 @@ def score_with_teacher(gateway_url: str, samples: list[Sample]) -> None:
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         }
         calls.append(("/generate", body, f"g{s.group}"))
-    replies = asyncio.run(_gather(gateway_url, "teacher", calls)) if calls else []
+    replies = _gather(engines, "teacher", calls) if calls else []
     for s in samples:
         s.teacher_logprobs = []
     for s, reply in zip(scored_samples, replies, strict=True):
@@ -93,7 +102,7 @@ def score_with_teacher(gateway_url: str, samples: list[Sample]) -> None:
 
 
 def judge(
-    gateway_url: str, conversations: list[list[dict[str, Any]]], regex: str, max_tokens: int
+    engines: EngineClients, conversations: list[list[dict[str, Any]]], regex: str, max_tokens: int
 ) -> list[str]:
     """The GenRM judge's reply to each conversation (the gateway's judge form), greedy and
     constrained to ``regex`` by the engine's grammar backend."""
@@ -102,4 +111,4 @@ def judge(
         ("/generate", {"messages": c, "sampling_params": sampling}, f"j{i}")
         for i, c in enumerate(conversations)
     ]
-    return [r["response"] for r in asyncio.run(_gather(gateway_url, "genrm", calls))]
+    return [r["response"] for r in _gather(engines, "genrm", calls)]

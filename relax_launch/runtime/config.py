@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
 
@@ -32,6 +33,17 @@ class CheckpointConfig(Section):
         return self
 
 
+class WandbConfig(Section):
+    """Weights & Biases logging of the per-step metrics (the run is named after the job)."""
+
+    project: str = Field(description="W&B project the run is logged to.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="'online': stream to the W&B server (needs `wandb login` or WANDB_API_KEY); "
+        "'offline': keep the run under {logging.dir}/wandb for `wandb sync` later.",
+    )
+
+
 class LoggingConfig(Section):
     """Where the job writes its logs and metrics."""
 
@@ -39,4 +51,22 @@ class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level of every rank."
     )
-    tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
+    tensorboard: bool = Field(
+        True,
+        description="Also write TensorBoard event files into dir (`tensorboard --logdir DIR`).",
+    )
+    wandb: WandbConfig | None = Field(
+        None,
+        description="Also log the per-step metrics to Weights & Biases, e.g. "
+        "{project: my-project, mode: offline}; unset: off.",
+    )
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, wandb: WandbConfig | None) -> WandbConfig | None:
+        if wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                "logging.wandb is set but the wandb package is not installed: "
+                "pip install -c requirements/pins.txt wandb (or unset logging.wandb)"
+            )
+        return wandb

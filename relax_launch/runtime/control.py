@@ -1,9 +1,15 @@
-"""The control channel: rank 0 sends numbered commands, ranks reply, errors come back named.
+"""The control channel: rank 0 sends numbered typed commands, ranks reply, errors come back named.
 
-Commands travel through the torchrun store (no collective, so a rank that is busy or gone is
-detected by a deadline and named, not waited on forever). Rank 0 posts command ``n``; each
-targeted rank runs its handler and posts a reply with its rank, roles and either a result or the
-error. Rank 0 heartbeats while it lives; a worker whose controller falls silent stops.
+Commands are small frozen dataclasses (``Command``), kept in the torchrun store, no collective:
+a rank that is busy or gone is detected by a deadline and named, not waited on forever. Rank 0
+posts command ``n`` in each targeted rank's own queue; the rank takes it (deleting the key), runs
+the handler registered for the command's ``route`` and posts a reply with its rank, roles and
+either a result or the error; rank 0 takes each reply (deleting it too), so the store holds only
+the commands and replies in flight. Rank 0 heartbeats while it lives; a worker whose controller
+falls silent stops.
+
+Bulk data (batch shards, per-token results) never goes through the store: it travels over
+torch.distributed (``runtime/distributed.py``), started between ``post`` and ``collect``.
 """
 
 from __future__ import annotations
@@ -14,12 +20,31 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
-Handler = Callable[..., Any]
-SHUTDOWN = "shutdown"
+POLL_S = (0.001, 0.02)  # a waiting rank polls the store this often: first, and at the slowest
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command record; subclasses add the arguments. ``op`` names it in every message."""
+
+    op: ClassVar[str] = ""
+
+    @property
+    def route(self) -> str:
+        """The handler key; a command answered by several workers of one rank refines it."""
+        return self.op
+
+
+@dataclass(frozen=True)
+class Shutdown(Command):
+    op: ClassVar[str] = "shutdown"
+
+
+Handler = Callable[[Any], Any]  # takes the command record
 
 
 class RemoteError(RuntimeError):
@@ -39,8 +64,18 @@ class Reply:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Posted:
+    """A command rank 0 has posted and not yet collected."""
+
+    n: int
+    command: Command
+    ranks: tuple[int, ...]
+
+
 class ControlChannel:
-    """Both ends of the channel; rank 0 calls ``call``, other ranks ``serve``."""
+    """Both ends of the channel; rank 0 calls ``call`` (or ``post`` then ``collect``), other
+    ranks ``serve``."""
 
     def __init__(
         self,
@@ -53,7 +88,8 @@ class ControlChannel:
     ) -> None:
         self.store, self.rank, self.roles, self.timeout_s = store, rank, roles, timeout_s
         self.heartbeat_s = heartbeat_s
-        self.next_id = 0
+        self.next_id = 0  # rank 0: the last command number
+        self.queued: dict[int, int] = {}  # commands posted to (rank 0) or taken by each rank
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if rank == 0:
@@ -64,26 +100,46 @@ class ControlChannel:
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():
-            self.store.set("control/heartbeat", str(time.time()))
+            # fixed width: the store's size does not drift with the clock
+            self.store.set("control/heartbeat", f"{time.time():.3f}")
             self._stop.wait(self.heartbeat_s)
 
     def call(
         self,
-        op: str,
+        command: Command,
         ranks: Iterable[int],
         local: Handler | None = None,
         timeout_s: float | None = None,
-        **kwargs: Any,
     ) -> dict[int, Any]:
-        """Run ``op`` on ``ranks`` (rank 0 runs ``local`` itself) and return each rank's result."""
-        ranks = sorted(set(ranks))
-        n = self.next_id = self.next_id + 1
-        self.store.set(f"control/cmd/{n}", pickle.dumps((op, ranks, kwargs)))
+        """Run ``command`` on ``ranks`` (rank 0 runs ``local`` itself) and return each rank's
+        result."""
+        return self.collect(self.post(command, ranks), local, timeout_s)
+
+    def post(self, command: Command, ranks: Iterable[int]) -> Posted:
+        """Put ``command`` in the queue of each targeted rank other than 0."""
+        posted = Posted(self.next_id + 1, command, tuple(sorted(set(ranks))))
+        self.next_id = posted.n
+        record = pickle.dumps((posted.n, command))
+        others = [r for r in posted.ranks if r != 0]
+        for r in others:
+            self.queued[r] = self.queued.get(r, 0) + 1
+        if others:
+            self.store.multi_set(
+                [command_key(r, self.queued[r]) for r in others], [record] * len(others)
+            )
+        return posted
+
+    def collect(
+        self, posted: Posted, local: Handler | None = None, timeout_s: float | None = None
+    ) -> dict[int, Any]:
+        """Run rank 0's share (``local``) if it is targeted, then wait for every other rank's
+        reply; raise naming the ranks that failed or did not answer in time."""
+        n, op = posted.n, posted.command.op
         replies = {}
-        if 0 in ranks:
-            replies[0] = _run(0, self.roles[0], local, kwargs, op)
-        others = [r for r in ranks if r != 0]
-        replies.update(self._collect(n, op, others, timeout_s or self.timeout_s))
+        if 0 in posted.ranks:
+            replies[0] = _run(0, self.roles[0], local, posted.command)
+        others = [r for r in posted.ranks if r != 0]
+        replies.update(self._take_replies(posted, others, timeout_s or self.timeout_s))
         failed = [r for r in replies.values() if not r.ok]
         if failed:
             raise RemoteError(
@@ -92,43 +148,60 @@ class ControlChannel:
             )
         return {r: reply.value for r, reply in replies.items()}
 
-    def _collect(self, n: int, op: str, ranks: list[int], timeout_s: float) -> dict[int, Reply]:
-        keys = {r: f"control/reply/{n}/{r}" for r in ranks}
+    def _take_replies(self, posted: Posted, ranks: list[int], timeout_s: float) -> dict[int, Reply]:
+        keys = {r: reply_key(posted.n, r) for r in ranks}
         deadline = time.monotonic() + timeout_s
+        pause = POLL_S[0]
         while ranks and not self.store.check(list(keys.values())):
             if time.monotonic() > deadline:
                 late = [r for r in ranks if not self.store.check([keys[r]])]
                 raise ControlTimeout(
-                    f"command #{n} {op!r}: no reply within {timeout_s:.0f} s from "
+                    f"command #{posted.n} {posted.command.op!r}: no reply within "
+                    f"{timeout_s:.0f} s from "
                     + ", ".join(f"rank {r} ({self.roles[r]})" for r in late)
                 )
-            time.sleep(0.002)
-        return {r: pickle.loads(self.store.get(k)) for r, k in keys.items()}
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        replies = {}
+        for r, key in keys.items():
+            replies[r] = pickle.loads(self.store.get(key))
+            self.store.delete_key(key)
+        return replies
 
     def serve(self, handlers: dict[str, Handler]) -> None:
-        """Worker loop: run each command addressed to this rank until ``shutdown``."""
+        """Worker loop: run each command in this rank's queue until ``Shutdown``."""
         while True:
-            n = self.next_id = self.next_id + 1
-            op, ranks, kwargs = pickle.loads(self._await_command(n))
-            if self.rank in ranks:
-                reply = _run(self.rank, self.roles[self.rank], handlers.get(op), kwargs, op)
-                self.store.set(f"control/reply/{n}/{self.rank}", pickle.dumps(reply))
-            if op == SHUTDOWN:
+            n, command = pickle.loads(self._take_command())
+            reply = _run(self.rank, self.roles[self.rank], handlers.get(command.route), command)
+            self.store.set(reply_key(n, self.rank), pickle.dumps(reply))
+            if isinstance(command, Shutdown):
                 return
 
-    def _await_command(self, n: int) -> bytes:
-        key = f"control/cmd/{n}"
+    def _take_command(self) -> bytes:
+        index = self.queued.get(self.rank, 0) + 1
+        key = command_key(self.rank, index)
+        pause, beat_checked = POLL_S[0], time.monotonic()
         while not self.store.check([key]):
-            beat = self.store.check(["control/heartbeat"]) and float(
-                self.store.get("control/heartbeat")
+            if time.monotonic() - beat_checked > self.heartbeat_s:
+                self._check_controller_alive(index)
+                beat_checked = time.monotonic()
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        record = self.store.get(key)
+        self.store.delete_key(key)
+        self.queued[self.rank] = index
+        return record
+
+    def _check_controller_alive(self, index: int) -> None:
+        beat = self.store.check(["control/heartbeat"]) and float(
+            self.store.get("control/heartbeat")
+        )
+        if beat and time.time() - beat > self.timeout_s:
+            raise ControlTimeout(
+                f"rank {self.rank} ({self.roles[self.rank]}): the controller (rank 0) has been "
+                f"silent for {time.time() - beat:.0f} s while this rank waited for its command "
+                f"{index}"
             )
-            if beat and time.time() - beat > self.timeout_s:
-                raise ControlTimeout(
-                    f"rank {self.rank} ({self.roles[self.rank]}): the controller (rank 0) has been "
-                    f"silent for {time.time() - beat:.0f} s while this rank waited for command #{n}"
-                )
-            time.sleep(0.005)
-        return self.store.get(key)
 
     def close(self) -> None:
         self._stop.set()
@@ -136,13 +209,21 @@ class ControlChannel:
             self._beat.join(timeout=5)
 
 
-def _run(
-    rank: int, roles: str, handler: Handler | None, kwargs: dict[str, Any], op: str = ""
-) -> Reply:
+def command_key(rank: int, index: int) -> str:
+    """The store key of the ``index``-th command queued for ``rank``."""
+    return f"control/cmd/{rank}/{index}"
+
+
+def reply_key(n: int, rank: int) -> str:
+    return f"control/reply/{n}/{rank}"
+
+
+def _run(rank: int, roles: str, handler: Handler | None, command: Command) -> Reply:
     if handler is None:
-        return Reply(rank, roles, ok=op == SHUTDOWN, error=f"no handler for {op!r}")
+        ok = isinstance(command, Shutdown)
+        return Reply(rank, roles, ok=ok, error=f"no handler for {command.route!r}")
     try:
-        return Reply(rank, roles, ok=True, value=handler(**kwargs))
+        return Reply(rank, roles, ok=True, value=handler(command))
     except Exception as exc:  # noqa: BLE001 - carried back to rank 0 with rank and role
         return Reply(
             rank,

@@ -1,15 +1,23 @@
-"""Start torch.distributed for one rank and check that every rank planned the same job."""
+"""Start torch.distributed for one rank, check that every rank planned the same job, and move
+the trainer's batches over it (``ShardChannel``)."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from relax_launch import platform
-from relax_launch.placement.plan import PlacementPlan
+from relax_launch.placement.plan import PlacementPlan, TrainerLayout
+from relax_launch.trainer.batch import ShardShape, TokenBatch
+
+CONTROLLER = 0  # the rank that runs the program and sends every batch
 
 
 class PlanMismatchError(RuntimeError):
@@ -56,3 +64,99 @@ def _wait(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> No
             missing = [k for k in keys if not store.check([k])]
             raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}: {missing}")
         time.sleep(0.01)
+
+
+@dataclass
+class Transfer:
+    """Rank 0's sends and receives of one command, in flight until ``ShardChannel.finish``."""
+
+    works: list[Any] = field(default_factory=list)
+    results: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (source rank, buffer)
+
+
+class ShardChannel:
+    """Batch shards from rank 0 to the trainer ranks, per-token results back, over
+    torch.distributed (the job's default group: gloo on the CPU, NCCL on GPUs).
+
+    Rank 0 sends data-parallel shard ``d`` to the shard's first rank (tp 0, pp 0 of DP rank
+    ``d``) only, which broadcasts it to its tensor- and pipeline-parallel peers (``peers``, the
+    trainer's model-parallel group); each DP rank's result rank (tp 0 of the last stage) sends its
+    rows back. Rank 0, when it is itself one of those ranks, hands itself its part in memory.
+    Every receive is a torch.distributed op, under the process group's timeout.
+    """
+
+    def __init__(self, layout: TrainerLayout, rank: int, device: str, peers: Any | None) -> None:
+        self.layout, self.rank, self.device, self.peers = layout, rank, device, peers
+        self.held: dict[str, Any] = {}  # rank 0's own shard and result
+        self.received_bytes = 0  # what this rank has taken in as a trainer rank
+
+    def _rank_at(self, tp: int, dp: int, pp: int) -> int:
+        tp_size, dp_size = self.layout.tp_size, self.layout.dp_size
+        return self.layout.ranks[tp + tp_size * (dp + dp_size * pp)]
+
+    def first_rank(self, dp_rank: int) -> int:
+        return self._rank_at(0, dp_rank, 0)
+
+    def result_rank(self, dp_rank: int) -> int:
+        return self._rank_at(0, dp_rank, self.layout.pp_size - 1)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[1]
+
+    def start(self, shards: list[TokenBatch], results: bool = False) -> Transfer:
+        """Rank 0: send each DP rank's shard to its first rank; with ``results``, post the
+        receives of each DP rank's per-token values (before the ranks compute them)."""
+        transfer = Transfer()
+        for dp, shard in enumerate(shards):
+            first, tensors = self.first_rank(dp), shard.pack()
+            if first == self.rank:
+                self.held["shard"] = tensors
+            else:
+                for tensor in tensors:
+                    transfer.works.append(dist.isend(tensor.to(self.device), dst=first))
+            if results:
+                shape, source = shard.shape(), self.result_rank(dp)
+                buffer = torch.empty(shape.tokens - shape.sequences, device=self.device)
+                if source != self.rank:
+                    transfer.works.append(dist.irecv(buffer, src=source))
+                transfer.results.append((source, buffer))
+        return transfer
+
+    def finish(self, transfer: Transfer) -> list[torch.Tensor]:
+        """Rank 0: wait for the transfer; each DP rank's per-token values, if asked for."""
+        for work in transfer.works:
+            work.wait()
+        return [
+            self.held.pop("result") if source == self.rank else buffer
+            for source, buffer in transfer.results
+        ]
+
+    def receive(self, shape: ShardShape) -> TokenBatch:
+        """A trainer rank: this DP rank's shard, of ``shape``."""
+        first = self.first_rank(self.dp_rank)
+        if self.rank == first == CONTROLLER:
+            tensors = tuple(t.to(self.device) for t in self.held.pop("shard"))
+        else:
+            tensors = shape.empty(self.device)
+            if self.rank == first:
+                for tensor in tensors:
+                    dist.recv(tensor, src=CONTROLLER)
+        if self.peers is not None and self.peers.size() > 1:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=first, group=self.peers)
+        self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return TokenBatch.unpack(*tensors, shape)
+
+    def send_result(self, rows: list[list[float]] | None, shape: ShardShape) -> None:
+        """A trainer rank: on its DP rank's result rank, the shard's per-token values, row after
+        row, to rank 0; NaN when they could not be computed, so rank 0's receive still ends."""
+        if self.rank != self.result_rank(self.dp_rank):
+            return
+        values = torch.full((shape.tokens - shape.sequences,), math.nan)
+        if rows is not None:
+            values = torch.tensor([v for row in rows for v in row], dtype=torch.float32)
+        if self.rank == CONTROLLER:
+            self.held["result"] = values
+        else:
+            dist.send(values.to(self.device), dst=CONTROLLER)

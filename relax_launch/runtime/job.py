@@ -2,7 +2,8 @@
 
 init torch.distributed -> agree on the plan -> build every process group -> build this rank's
 role workers (trainer, engine heads) -> rank 0 runs the controller program, the others serve its
-commands -> stop every worker -> leave the process group.
+commands (trainer batches arrive beside them, over the shard channel) -> stop every worker ->
+leave the process group.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log, route_rank_output
 from relax_launch.runtime.control import ControlChannel
-from relax_launch.runtime.distributed import check_same_plan, init_distributed
+from relax_launch.runtime.distributed import ShardChannel, check_same_plan, init_distributed
 from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.workers import EngineWorker, TrainerWorker, node_address
@@ -34,7 +35,9 @@ def role_labels(plan: PlacementPlan) -> dict[int, str]:
     return {r.rank: roles_label(r) for r in plan.ranks}
 
 
-def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> list[Any]:
+def build_workers(
+    job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any, shards: ShardChannel
+) -> list[Any]:
     """This rank's trainer share and engine heads; engine servers are started here."""
     workers: list[Any] = []
     device = job.cluster.device
@@ -42,15 +45,18 @@ def build_workers(job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any) -> l
     try:
         for a in plan.ranks[rank].assignments:
             if a.role == "trainer":
+                from relax_launch.trainer.trainer import Trainer  # Megatron: trainer ranks only
+
+                trainer = Trainer(
+                    section=job.trainer,
+                    model_dir=ensure_model(job.trainer.model),
+                    pgc=pgc,
+                    device=device,
+                    reference=job.algorithm.kl_coef > 0,
+                )
+                host = node_address(plan)
                 workers.append(
-                    TrainerWorker(
-                        section=job.trainer,
-                        model_dir=ensure_model(job.trainer.model),
-                        pgc=pgc,
-                        device=device,
-                        plan=plan,
-                        reference=job.algorithm.kl_coef > 0,
-                    )
+                    TrainerWorker(trainer=trainer, shards=shards, device=device, host=host)
                 )
             elif a.is_head:
                 model = job.rollout_model() if a.role == "rollout" else roles[a.role].model
@@ -122,7 +128,13 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
         pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
         if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
             platform.prepare_megatron(job.cluster.device)
-        workers = build_workers(job, plan, rank, pgc)
+        shards = ShardChannel(
+            plan.trainer,
+            rank,
+            platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
+            pgc.mp if pgc is not None else None,
+        )
+        workers = build_workers(job, plan, rank, pgc, shards)
         handlers = {k: v for w in workers for k, v in w.handlers().items()}
         channel = ControlChannel(
             store, rank=rank, roles=role_labels(plan), timeout_s=job.cluster.collective_timeout_s
@@ -132,6 +144,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
         session = Session(
             plan=plan,
             channel=channel,
+            shards=shards,
             handlers=handlers,
             startup_timeout_s=job.cluster.startup_timeout_s,
             weight_sync_timeout_s=job.weight_sync.timeout_s,

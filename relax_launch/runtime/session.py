@@ -1,22 +1,35 @@
 """Session: rank 0's handle on the running job — engines, trainer and weight sync by command.
 
 The controller (the RL loop, or a test) drives the whole job through this object; each method
-is one control-channel command to the ranks that own the work.
+is one typed control-channel command to the ranks that own the work. ``TrainerClient`` is the
+trainer's part: its batches travel shard by shard over torch.distributed, never the store.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from rich.console import Console
 
 from relax_launch.inference.control_plane import ControlPlane
-from relax_launch.placement.plan import PlacementPlan
+from relax_launch.placement.plan import PlacementPlan, TrainerLayout
 from relax_launch.runtime.console import operator_log
-from relax_launch.runtime.control import ControlChannel, RemoteError
+from relax_launch.runtime.control import Command, ControlChannel, Handler, RemoteError, Shutdown
+from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.runtime.workers import (
+    CommitWeights,
+    ConnectWeights,
+    EngineUrl,
+    LoadTrainer,
+    Logprobs,
+    RestoreWeights,
+    SaveTrainer,
+    SendWeights,
+    TrainStep,
+)
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.engine_client import EngineControl, EngineRequestError
@@ -32,6 +45,64 @@ from relax_launch.weights.update_session import (
 REPLY_MARGIN_S = 10.0
 
 
+class TrainerClient:
+    """Rank 0's typed proxy for the trainer ranks: each method sends one small command record to
+    every trainer rank; a batch goes alongside over the ``ShardChannel``, each data-parallel rank
+    receiving only its shard, and per-token results come back the same way."""
+
+    def __init__(
+        self,
+        channel: ControlChannel,
+        shards: ShardChannel,
+        layout: TrainerLayout,
+        local: dict[str, Handler],
+    ) -> None:
+        self.channel, self.shards, self.layout, self.local = channel, shards, layout, local
+
+    def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
+        """One optimizer step; the metrics of the last pipeline stage's first rank."""
+        shards = batch.shards(self.layout.dp_size)
+        command = TrainStep(tuple(s.shape() for s in shards), spec)
+        return self._with_shards(command, shards)[0][self._last_stage_rank()]
+
+    def logprobs(self, batch: TokenBatch) -> list[list[float]]:
+        """Per-token logprobs of ``tokens[1:]`` of every sequence, in batch order."""
+        shards = batch.shards(self.layout.dp_size)
+        command = Logprobs(tuple(s.shape() for s in shards))
+        _, results = self._with_shards(command, shards, results=True)
+        rows = []
+        for shard, values in zip(shards, results, strict=True):
+            flat, start = values.tolist(), 0
+            for tokens in shard.tokens:
+                rows.append(flat[start : start + len(tokens) - 1])
+                start += len(tokens) - 1
+        return rows
+
+    def save(self, directory: str) -> list[str]:
+        """Every trainer shard writes its state into ``directory``; returns the files."""
+        replies = self._call(SaveTrainer(directory))
+        return [path for path in replies.values() if path]
+
+    def load(self, directory: str) -> int:
+        """Every trainer rank restores its shard; returns the optimizer steps restored."""
+        return min(self._call(LoadTrainer(directory)).values())
+
+    def _call(self, command: Command) -> dict[int, Any]:
+        return self.channel.call(command, self.layout.ranks, self.local.get(command.route))
+
+    def _with_shards(
+        self, command: Command, shards: list[TokenBatch], results: bool = False
+    ) -> tuple[dict[int, Any], list[Any]]:
+        """Post ``command``, send the shards while the ranks take it, collect the replies."""
+        posted = self.channel.post(command, self.layout.ranks)
+        transfer = self.shards.start(shards, results)
+        replies = self.channel.collect(posted, self.local.get(command.route))
+        return replies, self.shards.finish(transfer)
+
+    def _last_stage_rank(self) -> int:
+        return self.layout.pp_stage_source(self.layout.pp_size - 1)
+
+
 class Session:
     """Commands for the ranks of one job, issued from rank 0."""
 
@@ -40,7 +111,8 @@ class Session:
         *,
         plan: PlacementPlan,
         channel: ControlChannel,
-        handlers: dict[str, Any],
+        shards: ShardChannel,
+        handlers: dict[str, Handler],
         startup_timeout_s: float,
         weight_sync_timeout_s: float,
         control_plane: ControlPlane | None = None,
@@ -54,11 +126,12 @@ class Session:
         self.sync_targets: list[EngineTarget] = []
         self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
+        self.trainer = TrainerClient(channel, shards, plan.trainer, handlers)
 
     def _call(
-        self, op: str, ranks: list[int], timeout_s: float | None = None, **kwargs: Any
-    ) -> dict:
-        return self.channel.call(op, ranks, local=self.local.get(op), timeout_s=timeout_s, **kwargs)
+        self, command: Command, ranks: Iterable[int], timeout_s: float | None = None
+    ) -> dict[int, Any]:
+        return self.channel.call(command, ranks, self.local.get(command.route), timeout_s)
 
     @property
     def gateway_url(self) -> str | None:
@@ -70,10 +143,8 @@ class Session:
         if self.engine_urls:
             return self.engine_urls
         for engine in self.plan.engines:
-            op = f"{engine.role}.engine{engine.index}.url"
-            url = self._call(op, [engine.head_rank], timeout_s=self.startup_timeout_s)[
-                engine.head_rank
-            ]
+            command = EngineUrl(engine.role, engine.index)
+            url = self._call(command, [engine.head_rank], self.startup_timeout_s)[engine.head_rank]
             self.engine_urls.setdefault(engine.role, []).append(url)
         if self.control_plane is not None:
             for role, urls in self.engine_urls.items():
@@ -96,17 +167,15 @@ class Session:
                 )
                 for index, offset in group.engine_rank_offsets
             ]
-            self._call(
-                "weights.connect",
-                [group.source_rank],
-                timeout_s=self.weight_sync_timeout_s + REPLY_MARGIN_S,
+            command = ConnectWeights(
                 pp_rank=group.pp_rank,
-                targets=[dataclasses.astuple(t) for t in self.sync_targets],
+                targets=tuple(self.sync_targets),
                 world_size=group.world_size,
                 fused=fused,
                 colocated=self.plan.mode in ("split", "defer"),
                 seconds_left=self.weight_sync_timeout_s,
             )
+            self._call(command, [group.source_rank], self.weight_sync_timeout_s + REPLY_MARGIN_S)
 
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
         """Push the trainer's weights to every rollout engine as ``weight_version``, all or
@@ -137,7 +206,7 @@ class Session:
             began = time.monotonic()
             engines.close()
             control_s += time.monotonic() - began
-            self._call("weights.commit", replica0)
+            self._call(CommitWeights(), replica0)
         except BaseException:
             if rollout is not None:
                 rollout.weights_failed()
@@ -152,13 +221,7 @@ class Session:
     ) -> dict[int, Any]:
         try:
             left = deadline.left("sending")
-            return self._call(
-                "weights.send",
-                replica0,
-                timeout_s=left + REPLY_MARGIN_S,
-                weight_version=weight_version,
-                seconds_left=left,
-            )
+            return self._call(SendWeights(weight_version, left), replica0, left + REPLY_MARGIN_S)
         except (RemoteError, RuntimeError) as cause:
             failed = f"weight sync to version {weight_version} failed ({cause})"
             previous = self.weight_version
@@ -166,11 +229,7 @@ class Session:
                 left = deadline.left("restoring") if previous is not None else 0.0
                 restored = previous is not None and any(
                     self._call(
-                        "weights.restore",
-                        replica0,
-                        timeout_s=left + REPLY_MARGIN_S,
-                        weight_version=previous,
-                        seconds_left=left,
+                        RestoreWeights(previous, left), replica0, left + REPLY_MARGIN_S
                     ).values()
                 )
             except (RemoteError, RuntimeError) as again:
@@ -183,35 +242,19 @@ class Session:
             raise WeightSyncError(f"{failed}; engines restored to version {previous}") from cause
 
     def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
-        replies = self._call(
-            "trainer.train_step",
-            list(self.plan.trainer.ranks),
-            batch=dataclasses.asdict(batch),
-            spec=dataclasses.asdict(spec) if spec else None,
-        )
-        return replies[self._last_stage_rank()]
-
-    def save_trainer(self, directory: str) -> list[str]:
-        """Every trainer shard writes its state into ``directory``; returns the files."""
-        replies = self._call("trainer.save", list(self.plan.trainer.ranks), directory=directory)
-        return [path for path in replies.values() if path]
-
-    def load_trainer(self, directory: str) -> int:
-        """Every trainer rank restores its shard; returns the optimizer steps restored."""
-        replies = self._call("trainer.load", list(self.plan.trainer.ranks), directory=directory)
-        return min(replies.values())
+        return self.trainer.train_step(batch, spec)
 
     def logprobs(self, batch: TokenBatch) -> list[list[float]]:
-        replies = self._call(
-            "trainer.logprobs", list(self.plan.trainer.ranks), batch=dataclasses.asdict(batch)
-        )
-        return replies[self._last_stage_rank()]
+        return self.trainer.logprobs(batch)
 
-    def _last_stage_rank(self) -> int:
-        return self.plan.trainer.pp_stage_source(self.plan.trainer.pp_size - 1)
+    def save_trainer(self, directory: str) -> list[str]:
+        return self.trainer.save(directory)
+
+    def load_trainer(self, directory: str) -> int:
+        return self.trainer.load(directory)
 
     def shutdown(self) -> None:
-        self._call("shutdown", range(self.plan.world_size), timeout_s=60)
+        self._call(Shutdown(), range(self.plan.world_size), timeout_s=60)
         self.engine_control.close()
 
 

@@ -1,26 +1,103 @@
 """The role workers of one rank: what it builds from the plan and the commands it answers.
 
 A trainer rank holds a ``Trainer`` (and, on a pipeline stage's tp0/dp0 rank, a ``WeightSender``);
-an engine head holds an ``SGLangServer``; an engine follower only holds its device. Handlers are
-named ``<role>.<command>``.
+an engine head holds an ``SGLangServer``; an engine follower only holds its device. Each command
+is a small typed record (below); a worker's ``handlers`` map each command's route to the method
+that answers it. Batches are not in the records: a trainer rank receives its data-parallel shard
+through the ``ShardChannel``.
 """
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from relax_launch import platform
 from relax_launch.inference.config import InferenceRoleConfig
 from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
-from relax_launch.trainer.batch import TokenBatch
-from relax_launch.trainer.config import TrainerConfig
+from relax_launch.runtime.control import Command, Handler
+from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.trainer.batch import ShardShape
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.shared_memory import SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import EngineTarget
+
+
+@dataclass(frozen=True)
+class TrainStep(Command):
+    """One optimizer step on the batch whose DP shards have these shapes (sent alongside)."""
+
+    op: ClassVar[str] = "trainer.train_step"
+    shapes: tuple[ShardShape, ...]
+    spec: LossSpec | None = None
+
+
+@dataclass(frozen=True)
+class Logprobs(Command):
+    op: ClassVar[str] = "trainer.logprobs"
+    shapes: tuple[ShardShape, ...]
+
+
+@dataclass(frozen=True)
+class SaveTrainer(Command):
+    op: ClassVar[str] = "trainer.save"
+    directory: str
+
+
+@dataclass(frozen=True)
+class LoadTrainer(Command):
+    op: ClassVar[str] = "trainer.load"
+    directory: str
+
+
+@dataclass(frozen=True)
+class ConnectWeights(Command):
+    """Form a pipeline stage's broadcast group with every rollout engine worker (see
+    ``TrainerWorker.connect``)."""
+
+    op: ClassVar[str] = "weights.connect"
+    pp_rank: int
+    targets: tuple[EngineTarget, ...]
+    world_size: int
+    fused: bool
+    colocated: bool
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class SendWeights(Command):
+    op: ClassVar[str] = "weights.send"
+    weight_version: int
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class CommitWeights(Command):
+    op: ClassVar[str] = "weights.commit"
+
+
+@dataclass(frozen=True)
+class RestoreWeights(Command):
+    op: ClassVar[str] = "weights.restore"
+    weight_version: int
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class EngineUrl(Command):
+    """The URL of an engine's server, once it has generated a token."""
+
+    op: ClassVar[str] = "engine.url"
+    role: str
+    index: int
+
+    @property
+    def route(self) -> str:  # one rank may head engines of several roles (defer)
+        return f"{self.role}.engine{self.index}.url"
 
 
 def node_address(plan: PlacementPlan) -> str:
@@ -32,42 +109,40 @@ class TrainerWorker:
     """This rank's share of the trainer, plus weight sending on a stage's source rank."""
 
     def __init__(
-        self,
-        *,
-        section: TrainerConfig,
-        model_dir: Path,
-        pgc: Any,
-        device: platform.Device,
-        plan: PlacementPlan,
-        reference: bool = False,
+        self, *, trainer: Any, shards: ShardChannel, device: platform.Device, host: str
     ) -> None:
-        from relax_launch.trainer.trainer import Trainer  # torch + Megatron: trainer ranks only
-
-        self.trainer = Trainer(
-            section=section, model_dir=model_dir, pgc=pgc, device=device, reference=reference
-        )
-        self.plan, self.device = plan, device
+        self.trainer, self.shards, self.device, self.host = trainer, shards, device, host
         self.sender: WeightSender | None = None
         self.fused = False
         self.manifest: list[TensorSpec] = []
 
-    def handlers(self) -> dict[str, Any]:
+    def handlers(self) -> dict[str, Handler]:
         return {
-            "trainer.train_step": lambda batch, spec=None: self._changing_weights(
-                self.trainer.train_step, TokenBatch(**batch), LossSpec(**spec) if spec else None
-            ),
-            "trainer.logprobs": lambda batch: self.trainer.logprobs(TokenBatch(**batch)),
-            "trainer.save": lambda directory: self.trainer.save(Path(directory)),
-            "trainer.load": lambda directory: self._changing_weights(
-                self.trainer.load, Path(directory)
-            ),
-            "weights.connect": self.connect,
-            "weights.send": self.send,
-            "weights.commit": lambda: self.sender and self.sender.commit(),
-            "weights.restore": lambda weight_version, seconds_left: bool(
-                self.sender and self.sender.restore(weight_version, seconds_left)
+            TrainStep.op: self.train_step,
+            Logprobs.op: self.logprobs,
+            SaveTrainer.op: lambda c: self.trainer.save(Path(c.directory)),
+            LoadTrainer.op: lambda c: self._changing_weights(self.trainer.load, Path(c.directory)),
+            ConnectWeights.op: self.connect,
+            SendWeights.op: self.send,
+            CommitWeights.op: lambda c: self.sender and self.sender.commit(),
+            RestoreWeights.op: lambda c: bool(
+                self.sender and self.sender.restore(c.weight_version, c.seconds_left)
             ),
         }
+
+    def train_step(self, command: TrainStep) -> dict[str, float]:
+        shard = self.shards.receive(command.shapes[self.shards.dp_rank])
+        return self._changing_weights(self.trainer.train_step, shard, command.spec)
+
+    def logprobs(self, command: Logprobs) -> None:
+        """This shard's per-token logprobs go to rank 0 over the shard channel, not the reply."""
+        shape = command.shapes[self.shards.dp_rank]
+        shard = self.shards.receive(shape)
+        rows = None
+        try:
+            rows = self.trainer.logprobs(shard)
+        finally:  # rank 0 waits for them whatever happened
+            self.shards.send_result(rows, shape)
 
     def _changing_weights(self, method: Any, *args: Any) -> Any:
         """Run a command that changes the parameters once the last sync's rollback copy, which
@@ -76,34 +151,28 @@ class TrainerWorker:
             self.sender.wait_for_rollback_copy()
         return method(*args)
 
-    def connect(
-        self,
-        pp_rank: int,
-        targets: list[tuple[str, int, str]],
-        world_size: int,
-        fused: bool,
-        colocated: bool,
-        seconds_left: float,
-    ) -> None:
+    def connect(self, command: ConnectWeights) -> None:
         """Form this stage's broadcast group with every rollout engine worker. ``fused``: the
         engines hold q/k/v and gate/up fused (one engine TP rank), so they are sent that way.
         ``colocated``: the engines share this rank's host (split, defer), so the platform may
         choose a transport that skips the network."""
-        self.fused = fused
-        self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(fused)]
-        host = node_address(self.plan)
-        shared = colocated and platform.colocated_weight_transport(self.device) == "shared_memory"
+        self.fused = command.fused
+        self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(self.fused)]
+        shared = (
+            command.colocated
+            and platform.colocated_weight_transport(self.device) == "shared_memory"
+        )
         self.sender = (SharedMemorySender if shared else WeightSender)(
-            targets=[EngineTarget(*t) for t in targets],
-            world_size=world_size,
-            group_name=f"relax-weights-pp{pp_rank}",
-            host=host,
-            port=free_port(host),
+            targets=list(command.targets),
+            world_size=command.world_size,
+            group_name=f"relax-weights-pp{command.pp_rank}",
+            host=self.host,
+            port=free_port(self.host),
             backend=platform.dist_backend(self.device),
         )
-        self.sender.connect(seconds_left)
+        self.sender.connect(command.seconds_left)
 
-    def send(self, weight_version: int, seconds_left: float) -> dict[str, Any] | None:
+    def send(self, command: SendWeights) -> dict[str, Any] | None:
         """Export this stage's weights (all of DP replica 0 gathers TP); the source streams them
         into the update session the controller opened."""
         named = self.trainer.export_hf_weights(self.fused)
@@ -111,7 +180,9 @@ class TrainerWorker:
             for _ in named:  # take part in the TP gathers
                 pass
             return None
-        return self.sender.send(named, self.manifest, weight_version, seconds_left).__dict__
+        return self.sender.send(
+            named, self.manifest, command.weight_version, command.seconds_left
+        ).__dict__
 
     def close(self) -> None:
         if self.sender is not None:
@@ -149,9 +220,8 @@ class EngineWorker:
     def start(self, timeout_s: float) -> None:
         self.server.start(timeout_s)
 
-    def handlers(self) -> dict[str, Any]:
-        role, index = self.engine.role, self.engine.index
-        return {f"{role}.engine{index}.url": lambda: self.server.url}
+    def handlers(self) -> dict[str, Handler]:
+        return {EngineUrl(self.engine.role, self.engine.index).route: lambda c: self.server.url}
 
     def close(self) -> None:
         self.server.stop()

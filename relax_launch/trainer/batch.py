@@ -1,10 +1,37 @@
-"""TokenBatch: the trainer's input, sequences with a loss mask and a weight per token."""
+"""TokenBatch: the trainer's input, sequences with a loss mask and a weight per token.
+
+A batch splits into one shard per data-parallel rank (``shards``) and travels packed into two
+flat tensors (``pack``/``unpack``): what a receiver allocates for them is its ``ShardShape``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, chain, pairwise
 
 import torch
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    """The sizes of a packed batch: ``ids`` is int64 [sequences + tokens] (each sequence's
+    length, then every token id), ``values`` float32 [fields, tokens] (mask, weights and, with
+    old logprobs, those)."""
+
+    sequences: int
+    tokens: int
+    old_logprobs: bool
+
+    @property
+    def fields(self) -> int:
+        return 3 if self.old_logprobs else 2
+
+    def empty(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers a packed batch of this shape is received into."""
+        return (
+            torch.empty(self.sequences + self.tokens, dtype=torch.long, device=device),
+            torch.empty(self.fields, self.tokens, dtype=torch.float32, device=device),
+        )
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,43 @@ class TokenBatch:
             pick(self.token_weights),
             pick(self.old_logprobs),
         )
+
+    def shards(self, count: int) -> list[TokenBatch]:
+        """``count`` equal contiguous shards, one per data-parallel rank, in rank order."""
+        if len(self) % count:
+            raise ValueError(
+                f"batch of {len(self)} sequences does not split over {count} data-parallel ranks"
+            )
+        size = len(self) // count
+        return [self.select(range(i * size, (i + 1) * size)) for i in range(count)]
+
+    def shape(self) -> ShardShape:
+        return ShardShape(
+            len(self), sum(len(t) for t in self.tokens), self.old_logprobs is not None
+        )
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch as two flat tensors, no padding (see ``ShardShape``)."""
+        lengths = [len(t) for t in self.tokens]
+        ids = torch.tensor(list(chain(lengths, *self.tokens)), dtype=torch.long)
+        fields = [self.loss_mask, self.token_weights]
+        if self.old_logprobs is not None:
+            fields.append(self.old_logprobs)
+        values = torch.tensor([list(chain.from_iterable(f)) for f in fields], dtype=torch.float32)
+        return ids, values
+
+    @classmethod
+    def unpack(cls, ids: torch.Tensor, values: torch.Tensor, shape: ShardShape) -> TokenBatch:
+        """The batch ``pack`` made, from its two tensors (on any device)."""
+        flat_ids = ids.tolist()
+        spans = list(pairwise(accumulate(flat_ids[: shape.sequences], initial=0)))
+
+        def rows(flat: list) -> tuple[tuple, ...]:
+            return tuple(tuple(flat[start:end]) for start, end in spans)
+
+        fields = [rows(v) for v in values.tolist()]
+        old = fields[2] if shape.old_logprobs else None
+        return cls(rows(flat_ids[shape.sequences :]), fields[0], fields[1], old)
 
     def tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded inputs, targets, mask and weights, each [batch, longest - 1]."""

@@ -1,8 +1,8 @@
 """Trainer: one rank's share of the Megatron-core policy — train steps, logprobs, HF weights.
 
 Every trainer rank runs the same calls in lockstep (the controller sends them to all trainer
-ranks). The batch is split over data-parallel ranks, then into micro-batches; results live on
-the last pipeline stage.
+ranks). Each call takes this data-parallel rank's shard of the batch (the runtime sends each DP
+rank only its own), split here into micro-batches; results live on the last pipeline stage.
 """
 
 from __future__ import annotations
@@ -64,15 +64,16 @@ class Trainer:
     def is_last_stage(self) -> bool:
         return self.pgc.pp.rank() == self.pgc.pp.size() - 1
 
-    def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
-        """One optimizer step: PPO-clip (``spec``) when the batch has old logprobs, else
+    def train_step(self, shard: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
+        """One optimizer step on this DP rank's ``shard`` (gradients are averaged over DP ranks):
+        PPO-clip (``spec``) when the batch has old logprobs, else
         -sum(weight * mask * logprob) / sum(mask) per micro-batch.
 
         Returns the grad norm, and on the last pipeline stage the mean micro-batch loss (and,
         for PPO, the clipped fraction and approximate KL to the sampling policy).
         """
         spec = spec or LossSpec()
-        micro_batches = self._micro_batches(batch)
+        micro_batches = self._micro_batches(shard)
         if spec.kl_coef > 0:
             self._add_reference_logprobs(micro_batches)
         self.model.zero_grad_buffer()
@@ -126,18 +127,16 @@ class Trainer:
         return self.step
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch) -> list[list[float]] | None:
-        """Per-token logprobs of ``tokens[1:]`` for the whole batch (last stage; else None)."""
+    def logprobs(self, shard: TokenBatch) -> list[list[float]] | None:
+        """Per-token logprobs of ``tokens[1:]`` for this DP rank's ``shard`` (last stage; else
+        None)."""
         outputs = self._schedule(
-            self.model, self._micro_batches(batch), forward_only=True, spec=LossSpec()
+            self.model, self._micro_batches(shard), forward_only=True, spec=LossSpec()
         )
         if not self.is_last_stage:
             return None
-        mine = [row for o in outputs for row in o["logprobs"].tolist()]
-        gathered: list[Any] = [None] * self.pgc.dp.size()
-        dist.all_gather_object(gathered, mine, group=self.pgc.dp)
-        rows = [row for part in gathered for row in part]
-        return [row[: len(t) - 1] for row, t in zip(rows, batch.tokens, strict=True)]
+        rows = [row for o in outputs for row in o["logprobs"].tolist()]
+        return [row[: len(t) - 1] for row, t in zip(rows, shard.tokens, strict=True)]
 
     def _add_reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """Score the micro-batches with the frozen initial policy; the loss reads the result
@@ -155,23 +154,17 @@ class Trainer:
             for micro_batch, output in zip(micro_batches, outputs, strict=True):
                 micro_batch["ref_logprobs"] = output["logprobs"]
 
-    def _micro_batches(self, batch: TokenBatch) -> list[dict[str, torch.Tensor]]:
-        """This data-parallel rank's share of ``batch``, as padded micro-batches of tensors."""
-        dp_size, dp_rank, micro = (
-            self.pgc.dp.size(),
-            self.pgc.dp.rank(),
-            self.section.micro_batch_size,
-        )
-        if len(batch) % (dp_size * micro):
+    def _micro_batches(self, shard: TokenBatch) -> list[dict[str, torch.Tensor]]:
+        """This data-parallel rank's ``shard`` as padded micro-batches of tensors."""
+        micro = self.section.micro_batch_size
+        if len(shard) % micro:
             raise ValueError(
-                f"batch of {len(batch)} sequences does not split over {dp_size} data-parallel "
-                f"ranks x micro_batch_size={micro}"
+                f"a data-parallel shard of {len(shard)} sequences does not split into "
+                f"micro_batch_size={micro}"
             )
-        per_rank = len(batch) // dp_size
-        mine = batch.select(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        tensors = {k: v.to(self.torch_device) for k, v in mine.tensors().items()}
+        tensors = {k: v.to(self.torch_device) for k, v in shard.tensors().items()}
         return [
-            {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, per_rank, micro)
+            {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, len(shard), micro)
         ]
 
     def _schedule(

@@ -330,29 +330,16 @@ def custom_group(
     group_name: str,
     timeout_s: float,
 ) -> dist.ProcessGroup:
-    """A process group outside the default world, built exactly as SGLang's
-    ``init_custom_process_group`` builds its side (rank 0 hosts the store)."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    """A process group outside the default world, built by the same SGLang helper the engines
+    use for their side of it (rank 0 hosts the store); imported here, on the few ranks that
+    send weights, because SGLang's utilities are a heavy import."""
+    from sglang.srt.utils.common import init_custom_process_group
 
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(
-        world,
-        rank,
-        [],
-        Backend(backend),
-        PrefixStore(group_name, store),
+    return init_custom_process_group(
+        backend=backend,
+        init_method=f"tcp://{host}:{port}",
+        timeout=timedelta(seconds=timeout_s),
+        world_size=world_size,
+        rank=rank,
         group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-        device_id=None,
     )
-    _world.pg_group_ranks[group] = {i: i for i in range(world)}
-    return group

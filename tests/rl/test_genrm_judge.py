@@ -1,11 +1,12 @@
-"""The GenRM reward source against a real judge: the job's control plane and gateway over the
-shared tiny SGLang engine, asked exactly as an RL step asks it."""
+"""The GenRM reward source against a real judge: the job's control plane over the shared tiny
+SGLang engine, asked exactly as an RL step asks it (in process, through its engine clients)."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+from prometheus_text import total
 
 from relax_launch.inference.config import GatewayConfig, GenRMConfig
 from relax_launch.inference.control_plane import ControlPlane, RoleSpec
@@ -25,7 +26,7 @@ def test_random_judge_writes_scores_that_become_rewards(tiny_server, tiny_model,
     plane.start()
     try:
         plane.attach("genrm", [tiny_server.url], startup_timeout_s=60)
-        judge = functools.partial(rollout.judge, plane.url, max_tokens=JUDGE_MAX_TOKENS)
+        judge = functools.partial(rollout.judge, plane.engines, max_tokens=JUDGE_MAX_TOKENS)
         rewards = Rewards(RewardConfig(sources=[{"name": "judge", "genrm": True}]), judge=judge)
         samples = [
             Sample(0, f"What is {a} + {b}?", str(a + b), [1], [2], [-1.0], text, "0")
@@ -34,6 +35,11 @@ def test_random_judge_writes_scores_that_become_rewards(tiny_server, tiny_model,
         metrics = rewards.score(samples)
     finally:
         plane.close()
+    counted = (tmp_path / "gateway_metrics.txt").read_text()
+    # the judge's requests reached the engine from the controller, none through the gateway
+    ok = {"role": "genrm", "endpoint": "generate", "model": "tiny-llama", "status": "200"}
+    assert total(counted, "relax_controller_requests_total", **ok) == 3, counted
+    assert total(counted, "relax_gateway_requests_total", role="genrm") == 0, counted
     # The random model never writes "Score: N" on its own (it fails to parse unconstrained):
     # decoded under the judge's regex, every reply is a score and reaches the reward.
     assert metrics["reward/judge/failed"] == 0

@@ -1,5 +1,5 @@
 """A short real RL job through ``relax-launch run``: tiny Llama policy, rollout, teacher and GenRM
-engines; metrics written, weights synced every step, teacher and judge served by the gateway."""
+engines; metrics written, weights synced every step, every role's engines reached in process."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prometheus_text import total
 
 pytestmark = pytest.mark.e2e
 CONFIG = Path(__file__).parent / "three_roles_tiny.yaml"
@@ -45,10 +46,14 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
         assert not [
             x for x in text.splitlines() if " INFO " in x and "relax_launch.console" not in x
         ]
-    gateway = (tmp_path / "gateway_metrics.txt").read_text()
+    # every role's engines took the loop's requests from the controller, in process: each one
+    # counted by the control plane, none by the gateway (the door for external clients)
+    counted = (tmp_path / "gateway_metrics.txt").read_text()
     for role, requests in (("teacher", 12), ("genrm", 12), ("rollout", 12)):
-        labels = f'role="{role}",endpoint="generate",model="tiny-llama",status="200"'
-        assert f"relax_gateway_requests_total{{{labels}}} {requests}" in gateway, gateway
+        ok = {"role": role, "endpoint": "generate", "model": "tiny-llama", "status": "200"}
+        assert total(counted, "relax_controller_requests_total", **ok) == requests, counted
+        assert total(counted, "relax_controller_requests_total", role=role) == requests, counted
+        assert total(counted, "relax_gateway_requests_total", role=role) == 0, counted
 
 
 def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):

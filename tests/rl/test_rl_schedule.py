@@ -25,7 +25,6 @@ PHASE_S = 0.15
 class RecordingSession:
     """Trainer and engines as a timeline: what ran when, and the engines' weight version."""
 
-    gateway_url = "unused"
     console = Console(file=io.StringIO())
 
     def __init__(self) -> None:
@@ -82,6 +81,7 @@ def context(tmp_path, off_policy_steps: int) -> RLContext:
         rewards=None,
         log=MetricsLog(tmp_path),
         has_teacher=False,
+        engines=None,  # collect is replaced: no engine is reached
     )
 
 

@@ -4,11 +4,11 @@ usage: torchrun --nproc-per-node N job_worker.py PROGRAM CONFIG OUT.json [key=va
 PROGRAM ``sync``: rank 0 writes a JSON report: weight versions, trainer-vs-engine logprob
 differences before and after the sync, and a weight compared by name. ``hold``: start, write the
 engine URLs, then wait to be killed. ``stuck``: send a train step to trainer rank 1 alone, so it
-waits in a collective rank 0 never joins. ``rollback``: a sync fails midway (rank 0 sends one
-tensor with a wrong shape); report what the engines serve afterwards, and after a clean retry.
+waits for its shard in a broadcast rank 0 never joins. ``rollback``: a sync fails midway (rank 0
+sends one tensor with a wrong shape); report what the engines serve afterwards, and after a clean
+retry.
 """
 
-import dataclasses
 import json
 import os
 import sys
@@ -19,6 +19,7 @@ import torch
 from relax_launch.config import load_config
 from relax_launch.placement import plan
 from relax_launch.runtime.job import run_rank
+from relax_launch.runtime.workers import TrainStep
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.weights.engine_client import get_json, post
 from relax_launch.weights.update_session import WeightSyncError
@@ -102,7 +103,7 @@ def hold(session):
 
 def stuck(session):
     batch = TokenBatch.next_token(SEQUENCES, [1, 1])
-    session.channel.call("trainer.train_step", [1], batch=dataclasses.asdict(batch))
+    session.channel.call(TrainStep((batch.shape(),)), [1])
 
 
 def rollback(session):

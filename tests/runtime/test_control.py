@@ -1,18 +1,43 @@
-"""The control channel over a real TCPStore: replies, errors and timeouts name rank and role."""
+"""The control channel over a real TCPStore: typed commands, replies, errors and timeouts that
+name rank and role, and a store that holds nothing once a command is answered."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import ClassVar
 
 import pytest
 import torch.distributed as dist
 
 from relax_launch.inference.server import free_port
-from relax_launch.runtime.control import ControlChannel, ControlTimeout, RemoteError
+from relax_launch.runtime.control import (
+    Command,
+    ControlChannel,
+    ControlTimeout,
+    RemoteError,
+    Shutdown,
+)
 
 ROLES = {0: "trainer[tp0 pp0 dp0]", 1: "rollout[e0 head]", 2: "teacher[e0 head]"}
+
+
+@dataclass(frozen=True)
+class Add(Command):
+    op: ClassVar[str] = "add"
+    a: int
+
+
+@dataclass(frozen=True)
+class Boom(Command):
+    op: ClassVar[str] = "boom"
+
+
+@dataclass(frozen=True)
+class Work(Command):
+    op: ClassVar[str] = "work"
 
 
 @pytest.fixture
@@ -41,19 +66,19 @@ def serve(store, rank, handlers, timeout_s=5.0):
 
 
 def test_commands_run_on_their_ranks_and_errors_come_back_named(stores):
-    def fail():
+    def fail(command):
         raise ValueError("bad batch")
 
-    workers = [serve(stores[r], r, {"add": lambda a, r=r: a + r, "boom": fail}) for r in (1, 2)]
+    workers = [serve(stores[r], r, {"add": lambda c, r=r: c.a + r, "boom": fail}) for r in (1, 2)]
     rank0 = ControlChannel(stores[0], rank=0, roles=ROLES, timeout_s=5)
-    assert rank0.call("add", [0, 1, 2], local=lambda a: a * 10, a=5) == {0: 50, 1: 6, 2: 7}
-    assert rank0.call("add", [2], a=1) == {2: 3}
+    assert rank0.call(Add(5), [0, 1, 2], local=lambda c: c.a * 10) == {0: 50, 1: 6, 2: 7}
+    assert rank0.call(Add(1), [2]) == {2: 3}
     with pytest.raises(
         RemoteError,
         match=r"#3 'boom' failed on rank 1 \(rollout\[e0 head\]\): ValueError: bad batch",
     ):
-        rank0.call("boom", [1])
-    rank0.call("shutdown", [0, 1, 2])
+        rank0.call(Boom(), [1])
+    rank0.call(Shutdown(), [0, 1, 2])
     for thread, errors in workers:
         thread.join(5)
         assert not thread.is_alive() and not errors
@@ -61,14 +86,14 @@ def test_commands_run_on_their_ranks_and_errors_come_back_named(stores):
 
 
 def test_a_rank_that_never_answers_is_named_with_its_role_and_op(stores):
-    workers = [serve(stores[1], 1, {"work": lambda: time.sleep(3)})]
+    workers = [serve(stores[1], 1, {"work": lambda c: time.sleep(3)})]
     rank0 = ControlChannel(stores[0], rank=0, roles=ROLES, timeout_s=1)
     with pytest.raises(
         ControlTimeout,
         match=r"command #1 'work': no reply within 1 s from rank 1 \(rollout\[e0 head\]\), "
         r"rank 2 \(teacher\[e0 head\]\)",
     ):
-        rank0.call("work", [1, 2])
+        rank0.call(Work(), [1, 2])
     rank0.close()
     workers[0][0].join(10)
 
@@ -81,3 +106,26 @@ def test_a_worker_stops_when_the_controller_falls_silent(stores):
     thread.join(10)
     assert errors and "the controller (rank 0) has been silent" in str(errors[0])
     assert "rank 1 (rollout[e0 head])" in str(errors[0])
+
+
+def test_the_store_holds_no_command_or_reply_once_answered(stores):
+    """Each rank deletes the command it took and rank 0 each reply: the store's keys and bytes
+    stay as they were however many commands run."""
+    workers = [serve(stores[r], r, {"add": lambda c: c.a}) for r in (1, 2)]
+    rank0 = ControlChannel(stores[0], rank=0, roles=ROLES, timeout_s=5, heartbeat_s=0.05)
+
+    def footprint() -> tuple[int, int]:
+        keys = stores[0].list_keys()
+        return len(keys), sum(len(stores[0].get(k)) for k in keys)
+
+    rank0.call(Add(1), [1, 2])
+    first = footprint()
+    for step in range(10):
+        assert rank0.call(Add(10**step), [1, 2]) == {1: 10**step, 2: 10**step}
+        assert footprint() == first
+    assert first[0] == 1  # the heartbeat alone
+    rank0.call(Shutdown(), [1, 2])
+    for thread, errors in workers:
+        thread.join(5)
+        assert not thread.is_alive() and not errors
+    rank0.close()

@@ -1,0 +1,307 @@
+"""The controller's way to the engines, in process: no HTTP hop through its own gateway.
+
+``EngineClients`` holds, for the whole job, one event loop on its own thread, one pooled
+kept-alive HTTP client and one ``EngineClient`` per role. An ``EngineClient`` reads discovery
+straight from the role's ``InferenceManager``, picks the engine with ``RouteResolver`` (the
+gateway's rule: same model choice, same affinity engine, same 503 before readiness) and answers
+as the gateway would (a 503 refusal, tried once more after ``RETRY_AFTER_S``; 400 for a token
+outside the vocabulary; 502/504 for an engine that fails or stalls), each as ``InferenceError``.
+The gateway stays the door for external clients; what the controller sends is counted as
+``relax_controller_*`` (on the gateway's /metrics when given its registry), not as
+``relax_gateway_*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from relax_launch.inference.client import InferenceError, Prepared, engine_request
+from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.routing import (
+    ENGINE_PATHS,
+    RETRY_AFTER_S,
+    RouteResolver,
+    RoutingError,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("relax_launch.inference")
+# SGLang's HTTP server drops a connection idle for 5 s: reuse one only well before that, so a
+# request never meets a connection the engine is closing (a generation is never sent twice).
+KEEPALIVE_S = 4.0
+MAX_CONNECTIONS = 2048  # as many concurrent requests as the gateway's pool takes
+WAIT_MARGIN_S = 30.0  # run()'s default bound, beyond one request's deadline and one retry
+BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class ControllerMetrics:
+    """The controller's requests by role, endpoint, model and status, with latency and in-flight
+    counts, in a Prometheus registry (its own unless one is given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "relax_controller_requests",
+            "Requests the RL controller sent to the engines (not through the gateway).",
+            ("role", "endpoint", "model", "status"),
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "relax_controller_request_seconds",
+            "Latency of the controller's engine requests.",
+            ("role", "endpoint"),
+            buckets=BUCKETS_S,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "relax_controller_in_flight",
+            "Controller requests in flight.",
+            ("role",),
+            registry=self.registry,
+        )
+
+    def finished(self, role: str, endpoint: str, model: str, status: int, seconds: float) -> None:
+        self.requests.labels(role, endpoint, model, str(status)).inc()
+        self.seconds.labels(role, endpoint).observe(seconds)
+
+
+class EngineClient:
+    """One role's engines for the controller; every method runs on the job's event loop."""
+
+    def __init__(
+        self,
+        manager: InferenceManager,
+        http: httpx.AsyncClient,
+        *,
+        resolver: RouteResolver,
+        timeout_s: float,
+        metrics: ControllerMetrics,
+        render: Renderer | None = None,
+    ) -> None:
+        self.manager, self.role, self.http = manager, manager.role, http
+        self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
+        self.render = render  # the genrm role's judge form (chat messages in)
+
+    async def request(self, path: str, payload: dict, *, affinity_key: str | None = None) -> Any:
+        """POST ``payload`` to the engine the gateway would choose; returns the parsed reply."""
+        started, model, status = time.perf_counter(), "-", 500
+        self.metrics.in_flight.labels(self.role).inc()
+        try:
+            if path == "/generate" and payload.get("messages") is not None:
+                reply, model = await self._judge(payload, affinity_key)
+            else:
+                prepared = await self._routed(path, payload, affinity_key)
+                model = prepared.model_id
+                check_token_ids(payload, self.manager.vocab_size)
+                reply = (await self._post(prepared)).json()
+            status = 200
+            return reply
+        except InferenceError as error:
+            status = error.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the caller gave up (a bounded wait passed, or the job is closing)
+            raise
+        finally:
+            self.metrics.in_flight.labels(self.role).dec()
+            seconds = time.perf_counter() - started
+            self.metrics.finished(self.role, path.lstrip("/"), model, status, seconds)
+
+    def _route(self, path: str, payload: dict, affinity_key: str | None) -> Prepared:
+        if path not in ENGINE_PATHS:
+            raise ValueError(f"the engine client serves {sorted(ENGINE_PATHS)}, not {path!r}")
+        model, route_key = payload.get("model"), payload.get("route_key")
+        try:
+            target = self.resolver.resolve(self.manager.snapshot(), model, route_key, affinity_key)
+        except RoutingError as exc:  # the gateway's answer: 400, or 503 while not ready
+            raise InferenceError(exc.status, str(exc)) from None
+        return engine_request(target, path, payload)
+
+    async def _routed(self, path: str, payload: dict, affinity_key: str | None) -> Prepared:
+        try:
+            return self._route(path, payload, affinity_key)
+        except InferenceError as error:
+            if error.status != 503:
+                raise
+        # refused as not ready, before any engine saw it: once more, as through the gateway
+        await asyncio.sleep(RETRY_AFTER_S)
+        return self._route(path, payload, affinity_key)
+
+    async def _post(self, prepared: Prepared) -> httpx.Response:
+        """One POST, never replayed; the gateway's 504 and 502 for a stalled or lost engine."""
+        try:
+            response = await asyncio.wait_for(
+                self.http.post(prepared.url, content=prepared.body, headers=prepared.headers),
+                self.timeout_s,
+            )
+        except TimeoutError:
+            raise InferenceError(
+                504, f"upstream {prepared.url} did not answer within {self.timeout_s:.0f} s"
+            ) from None
+        except httpx.TransportError as exc:
+            raise InferenceError(
+                502, f"upstream {prepared.url} unavailable: {type(exc).__name__}: {exc}"
+            ) from None
+        if response.status_code >= 400:
+            raise InferenceError.of(response)
+        return response
+
+    async def _judge(self, payload: dict, affinity_key: str | None) -> tuple[dict, str]:
+        """The gateway's judge form: chat messages in, ``{"response": text}`` out."""
+        if self.render is None:
+            raise InferenceError(
+                400, f"/{self.role}/generate takes messages only on the genrm role"
+            )
+        await self._routed("/generate", payload, affinity_key)  # refuse before rendering
+        kwargs = payload.get("chat_template_kwargs") or {}
+        try:
+            prompt = await asyncio.wait_for(
+                asyncio.to_thread(self.render, payload["messages"], kwargs), self.timeout_s
+            )
+        except TimeoutError:
+            raise InferenceError(
+                504, "rendering the judge prompt passed the request deadline"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - a template that cannot take these messages
+            raise InferenceError(
+                400, f"the judge's chat template rejected the messages: {exc}"
+            ) from None
+        routed = self._route("/generate", payload, affinity_key)  # it may sleep meanwhile
+        sampling = {**JUDGE_SAMPLING, **(payload.get("sampling_params") or {})}
+        body = orjson.dumps({"text": prompt, "sampling_params": sampling})
+        reply = await self._post(Prepared(routed.url, body, routed.headers, routed.model_id))
+        try:
+            text = reply.json()["text"]
+        except (ValueError, KeyError, TypeError):
+            raise InferenceError(
+                502, f"the judge engine's reply has no text: {reply.content[:200]!r}"
+            ) from None
+        return {"response": text.strip()}, routed.model_id
+
+
+def check_token_ids(payload: dict, vocab_size: int | None) -> None:
+    """An out-of-vocabulary id would crash the engine's embedding lookup: refuse it (400)."""
+    ids = payload.get("input_ids") or payload.get("prompt")
+    if vocab_size is None or not isinstance(ids, list) or not ids or isinstance(ids[0], str):
+        return
+    rows = ids if isinstance(ids[0], list) else [ids]
+    bad = next(
+        (t for row in rows for t in row if not (isinstance(t, int) and 0 <= t < vocab_size)), None
+    )
+    if bad is not None:
+        raise InferenceError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+class EngineClients:
+    """The job's event loop (a daemon thread), HTTP pool and one ``EngineClient`` per role.
+
+    Any thread (the RL loop, its background rollout) runs a coroutine on the loop with ``run``.
+    """
+
+    def __init__(
+        self,
+        managers: dict[str, InferenceManager],
+        *,
+        timeout_s: float,
+        renderers: dict[str, Renderer] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.timeout_s, self.metrics = timeout_s, ControllerMetrics(registry)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="relax-engine-clients", daemon=True
+        )
+        limits = httpx.Limits(
+            max_connections=MAX_CONNECTIONS,
+            max_keepalive_connections=MAX_CONNECTIONS,
+            keepalive_expiry=KEEPALIVE_S,
+        )
+        # no proxy from the environment: engines are reached directly, as the gateway does;
+        # each request's deadline is its own (EngineClient._post), not httpx's per-phase one
+        self.http = httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
+        resolver = RouteResolver()  # one set of round-robin cursors for the controller
+        self.clients = {
+            role: EngineClient(
+                manager,
+                self.http,
+                resolver=resolver,
+                timeout_s=timeout_s,
+                metrics=self.metrics,
+                render=(renderers or {}).get(role),
+            )
+            for role, manager in managers.items()
+        }
+
+    def client(self, role: str) -> EngineClient:
+        if role not in self.clients:
+            raise KeyError(f"this job has no {role} role (configured: {sorted(self.clients)})")
+        return self.clients[role]
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], what: str, timeout_s: float | None = None) -> T:
+        """``coro``'s result, run on the job's loop; called from any other thread. Waits at
+        most ``timeout_s`` (default: one request's deadline, one retry and a margin), then
+        cancels it and says what it waited for."""
+        if not self.thread.is_alive() or threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError(
+                "the controller's engine clients are not running (not started, or closed), or "
+                "run() was called on their own event loop"
+            )
+        limit = self.timeout_s + RETRY_AFTER_S + WAIT_MARGIN_S if timeout_s is None else timeout_s
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(limit)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"{what} did not finish within {limit:.0f} s though each request has "
+                f"{self.timeout_s:.0f} s (gateway.request_timeout_s); in flight: "
+                f"{self.in_flight()}; the controller's event loop may be blocked"
+            ) from None
+
+    def in_flight(self) -> dict[str, int]:
+        return {
+            sample.labels["role"]: int(sample.value)
+            for metric in self.metrics.in_flight.collect()
+            for sample in metric.samples
+        }
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel what still runs (a background rollout nobody waits for), close the pool,
+        stop the loop; bounded by ``timeout_s`` per stage."""
+        if self.thread.ident is None:  # never started: nothing ran on the loop
+            self.loop.close()
+            return
+        if not self.thread.is_alive():
+            return
+        done = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
+        try:
+            done.result(timeout_s)
+        except TimeoutError:  # closing must not keep the job from stopping its engines
+            log.warning("the controller's engine clients did not close within %.0f s", timeout_s)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout_s)
+            if not self.thread.is_alive():
+                self.loop.close()
+
+    async def _shutdown(self) -> None:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await self.http.aclose()
+        await self.loop.shutdown_default_executor()
