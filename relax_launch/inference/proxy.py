@@ -4,8 +4,8 @@ Timeouts answer 504, transport failures 502; an upstream HTTP error keeps its st
 A stream is piped chunk by chunk, its upstream response closed exactly once (on the end, an
 error, the deadline or the client's disconnect), and never replayed after its first chunk.
 
-aiohttp, not httpx (the package's client everywhere else): forwarding one request costs httpx
-several times the CPU (docs/gateway.md, "Performance"), and the gateway's CPU is its throughput.
+aiohttp: httpx's async client costs several times its CPU per request (docs/gateway.md,
+"Performance"), and the gateway's CPU is its throughput.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Request bodies the gateway accepts, validated before any engine is touched.
+"""Request bodies the gateway accepts, read and validated before any engine is touched.
 
-FastAPI generates the gateway's OpenAPI document from these models (each body route declares
-one). Generation fields SGLang knows beyond these pass through untouched (``extra="allow"``);
-sampling parameters are checked strictly, since SGLang would fail on them only after admission.
+FastAPI generates the gateway's OpenAPI document from these models: each ``JsonBodyRoute``
+declares one. Generation fields SGLang knows beyond these pass through untouched
+(``extra="allow"``); sampling parameters are checked strictly, since SGLang would fail on them
+only after admission.
 """
 
 from __future__ import annotations
@@ -182,9 +183,10 @@ class JsonBodyRoute(APIRoute):
     Not FastAPI's request handler, for two reasons: the gateway's contract (a body read only up to
     ``body_limit`` bytes, JSON whatever the Content-Type says, as ``curl -d`` sends a form type,
     and a 400 naming the first bad field), and cost on the generation path (FastAPI's dependency
-    solving costs about as much CPU per request as the rest of the gateway; bench/gateway.py).
-    ``guard`` (the admin token check) runs before the body is read. The raw body and its parsed
-    object stay on ``request.state`` (``raw_body``, ``payload``) for byte-faithful forwarding.
+    solving and body parsing would more than double the gateway's own CPU per request;
+    docs/gateway.md, "Performance"). ``guard`` (the admin token check) runs before the body is
+    read. The raw body and its parsed object stay on ``request.state`` (``raw_body``,
+    ``payload``) for byte-faithful forwarding.
     """
 
     def __init__(

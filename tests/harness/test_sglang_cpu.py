@@ -3,12 +3,19 @@ SmolLM2 model answers a factual question through it."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["What is 12 plus 7?", "The capital of France is"]
+
+
+def post(url: str, body: dict, timeout_s: float) -> dict:
+    reply = httpx.post(url, json=body, timeout=timeout_s)
+    reply.raise_for_status()
+    return reply.json()
 
 
 def test_tiny_llama_greedy_matches_hf_transformers(tiny_server, tiny_model):
@@ -26,8 +33,8 @@ def test_tiny_llama_greedy_matches_hf_transformers(tiny_server, tiny_model):
                 min_new_tokens=12,
                 pad_token_id=tokenizer.pad_token_id,
             )[0, len(ids) :].tolist()
-        reply = tiny_server.post(
-            "/generate",
+        reply = post(
+            tiny_server.url + "/generate",
             {
                 "input_ids": ids,
                 "sampling_params": {
@@ -44,8 +51,8 @@ def test_tiny_llama_greedy_matches_hf_transformers(tiny_server, tiny_model):
 
 
 def test_smollm2_answers_capital_of_france(smollm2_server):
-    reply = smollm2_server.post(
-        "/v1/chat/completions",
+    reply = post(
+        smollm2_server.url + "/v1/chat/completions",
         {
             "model": "default",
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
