@@ -64,6 +64,14 @@ def tiny_server(
 
 
 @pytest.fixture(scope="session")
+def second_tiny_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangServer]:
+    """A second real SGLang server for the tiny Llama, the partner of ``tiny_server``."""
+    yield from _serve(tiny_model, tmp_path_factory.mktemp("second-tiny-server"), 2048)
+
+
+@pytest.fixture(scope="session")
 def smollm2_server(
     smollm2_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SGLangServer]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 from fake_upstream import FakeUpstream
@@ -16,9 +15,7 @@ from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.gateway import InferenceGateway, Renderer
 from relax_launch.inference.manager import InferenceManager
-from relax_launch.inference.process import group_alive
 from relax_launch.inference.serve import GatewayServer
-from relax_launch.inference.server import SGLangServer
 from relax_launch.weights.engine_client import get_json, post
 
 ADMIN_TOKEN = "test-admin-token"
@@ -100,26 +97,6 @@ def gateway_over(upstream: FakeUpstream) -> Callable:
             yield url, manager
 
     return open_gateway
-
-
-@pytest.fixture(scope="session")
-def second_tiny_server(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SGLangServer]:
-    """A second real SGLang server for the tiny Llama, the partner of ``tiny_server``."""
-    server = SGLangServer(
-        model_path=tiny_model,
-        device="cpu",
-        log_path=tmp_path_factory.mktemp("second-tiny-server") / "sglang.log",
-        engine={"max_total_tokens": 2048, "random_seed": 0},
-    )
-    server.start(timeout_s=240)
-    try:
-        yield server
-    finally:
-        pid = server.pid
-        server.stop()
-        assert not group_alive(pid), f"SGLang processes of group {pid} outlived stop()"
 
 
 @pytest.fixture
