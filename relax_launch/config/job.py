@@ -67,7 +67,7 @@ class JobConfig(Section):
     def precision_notice(self) -> str | None:
         """Said once before a run whose rollout engines compute at another precision than the
         trainer: PPO's old logprobs come from the engines, so the ratios start away from 1."""
-        if self.rollout.engine.get("dtype", self.trainer.dtype) == self.trainer.dtype:
+        if self.engine_dtype("rollout") == self.trainer.dtype:
             return None
         return (
             f"rollout.engine.dtype={self.rollout.engine['dtype']} differs from trainer.dtype="

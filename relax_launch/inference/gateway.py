@@ -221,7 +221,9 @@ class InferenceGateway:
         vocabulary first."""
         payload: dict[str, Any] = request.state.payload
         target = self._route(role, payload, request)
-        _check_token_ids(token_ids, self.managers[role].vocab_size)
+        problem = vocabulary_problem(token_ids, self.managers[role].vocab_size)
+        if problem is not None:
+            raise HTTPException(400, problem)
         if path == "/generate":
             routing = {k: payload.pop(k) for k in ROUTING_FIELDS if k in payload}
             # byte-faithful unless a routing field has to go
@@ -327,11 +329,13 @@ class InferenceGateway:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _check_token_ids(ids: object, vocab_size: int | None) -> None:
-    """An out-of-vocabulary id would crash the engine's embedding lookup: refuse it here."""
+def vocabulary_problem(ids: object, vocab_size: int | None) -> str | None:
+    """Why token ``ids`` (one list or a batch of lists) must be refused: an out-of-vocabulary
+    id would crash the engine's embedding lookup. The gateway and the in-process client ask."""
     if vocab_size is None or not isinstance(ids, list) or not ids or isinstance(ids[0], str):
-        return
+        return None
     rows = ids if isinstance(ids[0], list) else [ids]
-    bad = next((t for row in rows for t in row if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise HTTPException(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next(
+        (t for row in rows for t in row if not (isinstance(t, int) and 0 <= t < vocab_size)), None
+    )
+    return None if bad is None else f"token id {bad} is outside the vocabulary [0, {vocab_size})"

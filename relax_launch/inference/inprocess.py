@@ -25,7 +25,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
-from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer
+from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer, vocabulary_problem
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
@@ -102,7 +102,10 @@ class EngineClient:
             else:
                 prepared = await self._routed(path, payload, affinity_key)
                 model = prepared.model_id
-                check_token_ids(payload, self.manager.vocab_size)
+                ids = payload.get("input_ids") or payload.get("prompt")
+                problem = vocabulary_problem(ids, self.manager.vocab_size)
+                if problem is not None:
+                    raise InferenceError(400, problem)
                 reply = (await self._post(prepared)).json()
             status = 200
             return reply
@@ -187,19 +190,6 @@ class EngineClient:
                 502, f"the judge engine's reply has no text: {reply.content[:200]!r}"
             ) from None
         return {"response": text.strip()}, routed.model_id
-
-
-def check_token_ids(payload: dict, vocab_size: int | None) -> None:
-    """An out-of-vocabulary id would crash the engine's embedding lookup: refuse it (400)."""
-    ids = payload.get("input_ids") or payload.get("prompt")
-    if vocab_size is None or not isinstance(ids, list) or not ids or isinstance(ids[0], str):
-        return
-    rows = ids if isinstance(ids[0], list) else [ids]
-    bad = next(
-        (t for row in rows for t in row if not (isinstance(t, int) and 0 <= t < vocab_size)), None
-    )
-    if bad is not None:
-        raise InferenceError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 class EngineClients:
