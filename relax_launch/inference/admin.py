@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -41,6 +42,8 @@ class AdminRoutes:
         self, managers: dict[str, InferenceManager], token: str | None, token_env: str
     ) -> None:
         self.managers, self.token, self.token_env = managers, token, token_env
+        # split/defer: the coordinator's lease state; it alone moves the roles' memory
+        self.leases: Callable[[], dict[str, dict[str, Any]]] | None = None
 
     def authorize(self, request: Request) -> None:
         if self.token is None:
@@ -92,7 +95,10 @@ class AdminRoutes:
             }
             for e in manager.engines
         ]
-        return JSONResponse({"role": role, "state": manager.state.value, "engines": engines})
+        document = {"role": role, "state": manager.state.value, "engines": engines}
+        if self.leases is not None:
+            document["lease"] = self.leases().get(role)
+        return JSONResponse(document)
 
     async def drain(self, role: str) -> Response:
         """Pause generation, abort, flush until idle."""
@@ -105,6 +111,12 @@ class AdminRoutes:
         return await self._run(role, op, partial(action, body.tags))
 
     async def _run(self, role: str, op: str, action: Any) -> Response:
+        if self.leases is not None:
+            raise HTTPException(
+                409,
+                f"{op} refused: this job's lifecycle coordinator moves {role}'s memory between "
+                "phases (placement.mode split/defer); an admin operation would break its leases",
+            )
         try:
             await asyncio.to_thread(action)
         except LifecycleError as exc:

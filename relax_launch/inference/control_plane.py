@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,11 @@ class ControlPlane:
             self.router.start(startup_timeout_s)
             router_url = self.router.url
         manager.attach(handles, router_url=router_url)
+
+    def coordinated_by(self, leases: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        """split/defer: show each role's lease on its admin engines route, and refuse admin
+        drain/offload/onload (the coordinator alone moves memory)."""
+        self.server.app.admin.leases = leases
 
     def close(self) -> None:
         """Stop routing, keep the final metrics (``gateway_metrics.txt``: the gateway's and the

@@ -3,8 +3,9 @@
 States: STARTING -> READY; drain -> DRAINING; offload -> SLEEPING; onload -> ONLOADING -> READY;
 any failed transition -> FAILED (admission closed until an onload succeeds); shutdown -> DEAD.
 Operations are idempotent and serialised; snapshots are read without waiting for them. A
-rollout model is published READY only once its weights are valid (after the first weight sync)
-and never while a sync is in flight.
+rollout model is published READY only once its weights are valid (after the first weight sync,
+and again after a sync that follows an offload of its weights) and never while a sync is in
+flight.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ class InferenceManager:
             def action() -> None:
                 if not drained:
                     self._drain_engines()
+                if "weights" in tags and self.weight_source is not WeightSource.STATIC:
+                    # Trainer-fed weights are not backed up: they come back as zeros and stay
+                    # invalid until the next sync commits (set first: a release may fail midway).
+                    with self._fields:
+                        self.weights_valid = False
                 for engine in self.engines:
                     held = sorted(engine.loaded & tags)
                     if held:

@@ -33,6 +33,8 @@ class SGLangRouter(OwnedProcess):
         host: str = "127.0.0.1",
     ) -> None:
         self.worker_urls, self.policy = list(worker_urls), policy
+        # its metrics listener has a fixed default port: two jobs on one host would collide
+        self.prometheus_port = free_port(host)
         super().__init__(
             host=host,
             port=free_port(host),
@@ -52,6 +54,10 @@ class SGLangRouter(OwnedProcess):
             *ROUTER_POLICY_ARGS[self.policy],
             "--log-level",
             "warn",
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.prometheus_port),
             "--worker-urls",
             *self.worker_urls,
         ]

@@ -40,3 +40,11 @@ class PlacementConfig(Section):
             "rollout, teacher and genrm each from rank 0 in their own serialized phase."
         ),
     )
+    operation_timeout_s: float = Field(
+        180.0,
+        gt=0,
+        description=(
+            "split/defer: bound on each offload or onload of a role between phases, seconds. "
+            "One that fails or runs out keeps the role's ranks BLOCKED and fails the step."
+        ),
+    )

@@ -91,6 +91,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand memory freed on ``device`` back to the system, so a colocated process can take it:
+    the CUDA caching allocator keeps freed blocks otherwise; the CPU allocator returns them."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def colocated_weight_transport(device: Device) -> str:
     """How weights reach engines on the trainer's own host (split, defer): a shared-memory file
     on the CPU; on GPUs the broadcast until a CUDA IPC transport exists."""

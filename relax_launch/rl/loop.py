@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.console import operator_log
+from relax_launch.runtime.lifecycle import LifecycleCoordinator
 from relax_launch.runtime.session import Session
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
@@ -74,6 +75,7 @@ class RLContext:
     seconds: dict[str, float] = field(default_factory=dict)  # this step's main-thread phases
     background: ThreadPoolExecutor | None = None  # off-policy: where the next rollout runs
     upcoming: Future[RolloutBatch] | None = None  # off-policy: the next step's batch
+    coordinator: LifecycleCoordinator | None = None  # split/defer: who holds the shared ranks
 
     @property
     def spec(self) -> LossSpec:
@@ -111,6 +113,13 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
     with timed(ctx.seconds, "sync"):
         reports = ctx.session.sync_weights(step + 1)
     metrics |= sync_metrics(reports, ctx.seconds["sync"])
+    return step_record(ctx, step, batch, metrics, stale)
+
+
+def step_record(
+    ctx: RLContext, step: int, batch: RolloutBatch, metrics: dict[str, float], stale: int
+) -> dict[str, float]:
+    """A trained step's metrics: the trainer's, the batch's, its phases and its weight versions."""
     versions = [int(s.weight_version) for s in batch.samples]
     metrics |= batch.metrics
     metrics |= {f"time/{k}": v for k, v in batch.seconds.items()}
@@ -141,6 +150,15 @@ def sync_metrics(reports: list[dict[str, float]], seconds: float) -> dict[str, f
 
 def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
     """Rollout, teacher scoring, rewards and advantages: everything a train step consumes."""
+    samples, cursor = generate(ctx, seconds)
+    if ctx.has_teacher:
+        score_teacher(ctx, samples, seconds)
+    metrics = score_rewards(ctx, samples, seconds)
+    return finish_batch(ctx, samples, metrics, seconds, cursor)
+
+
+def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], PromptCursor]:
+    """The step's prompts, N samples each; and the prompt position right after them."""
     a = ctx.algorithm
     with timed(seconds, "rollout"):
         prompts = next_prompts(ctx)
@@ -152,12 +170,32 @@ def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
             temperature=a.temperature,
             max_tokens=ctx.data.max_response_tokens,
         )
-    if ctx.has_teacher:
-        with timed(seconds, "teacher"):
-            rollout.score_with_teacher(ctx.engines, samples)
+    return samples, cursor
+
+
+def score_teacher(ctx: RLContext, samples: list[Sample], seconds: dict[str, float]) -> None:
+    """The teacher's logprobs of each response, written back onto its sample."""
+    with timed(seconds, "teacher"):
+        rollout.score_with_teacher(ctx.engines, samples)
+
+
+def score_rewards(
+    ctx: RLContext, samples: list[Sample], seconds: dict[str, float]
+) -> dict[str, float]:
+    """Every reward source (functions and the GenRM judge); returns their metrics."""
     with timed(seconds, "reward"):
-        metrics = ctx.rewards.score(samples)
-    assign_advantages(samples, a.n_samples_per_prompt)
+        return ctx.rewards.score(samples)
+
+
+def finish_batch(
+    ctx: RLContext,
+    samples: list[Sample],
+    metrics: dict[str, float],
+    seconds: dict[str, float],
+    cursor: PromptCursor,
+) -> RolloutBatch:
+    """Advantages and the sample metrics: the batch a train step consumes."""
+    assign_advantages(samples, ctx.algorithm.n_samples_per_prompt)
     metrics |= sample_metrics(samples, seconds["rollout"])
     return RolloutBatch(samples, metrics, dict(seconds), cursor)
 
@@ -253,7 +291,11 @@ def sample_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
 
 
 def run(
-    ctx: RLContext, num_steps: int, log_dir: Path, start_step: int = 0
+    ctx: RLContext,
+    num_steps: int,
+    log_dir: Path,
+    start_step: int = 0,
+    step_fn: Callable[[RLContext, int, int], dict[str, float]] = rl_step,
 ) -> list[dict[str, float]]:
     """Steps ``start_step`` to ``num_steps`` with a progress line each, checkpoints when due;
     metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end.
@@ -269,7 +311,7 @@ def run(
         with progress:
             began = clock()
             for step in range(start_step, num_steps):
-                metrics = rl_step(ctx, step, num_steps)
+                metrics = step_fn(ctx, step, num_steps)
                 if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
                     with timed(ctx.seconds, "checkpoint"):
                         save_checkpoint(ctx, step + 1)

@@ -11,11 +11,13 @@ from typing import Any
 from relax_launch.config.job import JobConfig
 from relax_launch.models.build import ensure_model
 from relax_launch.rl import rollout
+from relax_launch.rl.colocated import colocated_step
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
-from relax_launch.rl.loop import RLContext, run
+from relax_launch.rl.loop import RLContext, rl_step, run
 from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
 from relax_launch.runtime.checkpoint import Checkpoints
+from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.session import Session, bring_up
 
@@ -44,7 +46,17 @@ def rl_program(job: JobConfig) -> Any:
         with contextlib.closing(log):  # on success run() has closed it already
             bring_up(session, weight_version=start)
             context = rl_context(job, session, prompts, log, checkpoints, skipped)
-            return run(context, job.algorithm.num_steps, log_dir, start_step=start)
+            step_fn = rl_step
+            if session.plan.mode != "decoupled":  # roles take turns on shared ranks
+                context.coordinator = build_coordinator(
+                    session, job.placement.operation_timeout_s, log_dir / "coordinator.jsonl"
+                )
+                step_fn = colocated_step
+            try:
+                return run(context, job.algorithm.num_steps, log_dir, start, step_fn)
+            finally:
+                if context.coordinator is not None:
+                    context.coordinator.close()
 
     return program
 

@@ -219,6 +219,10 @@ class StepProgress:
             parts.append(f"stale {int(m['staleness'])}")
         parts.append(f"{m['tokens_per_s']:.0f} tok/s")
         parts.append(" ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m))
+        turns = [v for k, v in m.items() if k.startswith(("time/onload_", "time/offload_"))]
+        if turns:  # split/defer: the roles' turns on the shared ranks
+            moved = m.get("memory/offloaded_gb", 0.0)
+            parts.append(f"turns {sum(turns):.1f}s ({len(turns)} moves, trainer {moved:.2f} GB)")
         return "relax-launch: " + " | ".join(parts) + f" | ETA {self.eta()}"
 
     def eta(self) -> str:
@@ -244,6 +248,9 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
                 f"last {k}: {mean(history[-k:], key):9.4f}"
             )
     share = {p: sum(r.get(f"time/{p}", 0.0) for r in history) for p in PHASE_KEYS}
+    share["turns"] = sum(  # split/defer: onloads and offloads between the roles' phases
+        v for r in history for k, v in r.items() if k.startswith(("time/onload_", "time/offload_"))
+    )
     total = sum(r["time/step"] for r in history) or 1.0
     shares = "  ".join(f"{p} {v / total:.0%}" for p, v in share.items() if v)
     lines.append("  time share     " + shares)

@@ -70,6 +70,7 @@ def build_workers(
                     local_rank=plan.ranks[rank].local_rank,
                     log_dir=job.log_dir,
                     host=node_address(plan),
+                    colocated=plan.mode != "decoupled",
                 )
                 workers.append(worker)
                 worker.start(job.cluster.startup_timeout_s)

@@ -25,6 +25,8 @@ from relax_launch.runtime.workers import (
     EngineUrl,
     LoadTrainer,
     Logprobs,
+    OffloadTrainer,
+    OnloadTrainer,
     RestoreWeights,
     SaveTrainer,
     SendWeights,
@@ -32,6 +34,7 @@ from relax_launch.runtime.workers import (
 )
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
+from relax_launch.trainer.offload import PARTS
 from relax_launch.weights.engine_client import EngineControl, EngineRequestError
 from relax_launch.weights.update_session import (
     Deadline,
@@ -87,6 +90,15 @@ class TrainerClient:
         """Every trainer rank restores its shard; returns the optimizer steps restored."""
         return min(self._call(LoadTrainer(directory)).values())
 
+    def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        """Every trainer rank moves these parts of its state ("params", "grads", "optimizer") to
+        host memory; returns the bytes moved (summed over ranks) and the slowest rank's seconds."""
+        return _moved(self._call(OffloadTrainer(tuple(parts))))
+
+    def onload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        """Every trainer rank brings these offloaded parts back; same reply as ``offload``."""
+        return _moved(self._call(OnloadTrainer(tuple(parts))))
+
     def _call(self, command: Command) -> dict[int, Any]:
         return self.channel.call(command, self.layout.ranks, self.local.get(command.route))
 
@@ -101,6 +113,14 @@ class TrainerClient:
 
     def _last_stage_rank(self) -> int:
         return self.layout.pp_stage_source(self.layout.pp_size - 1)
+
+
+def _moved(replies: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Trainer ranks' offload/onload replies as one: bytes summed, seconds of the slowest."""
+    return {
+        "bytes": sum(r["bytes"] for r in replies.values()),
+        "seconds": max(r["seconds"] for r in replies.values()),
+    }
 
 
 class Session:

@@ -55,6 +55,23 @@ class LoadTrainer(Command):
 
 
 @dataclass(frozen=True)
+class OffloadTrainer(Command):
+    """Move these parts of every trainer rank's state ("params", "grads", "optimizer") to host
+    memory, freeing the device for a colocated role."""
+
+    op: ClassVar[str] = "trainer.offload"
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OnloadTrainer(Command):
+    """Bring these offloaded parts of every trainer rank's state back to the device."""
+
+    op: ClassVar[str] = "trainer.onload"
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ConnectWeights(Command):
     """Form a pipeline stage's broadcast group with every rollout engine worker (see
     ``TrainerWorker.connect``)."""
@@ -122,6 +139,8 @@ class TrainerWorker:
             Logprobs.op: self.logprobs,
             SaveTrainer.op: lambda c: self.trainer.save(Path(c.directory)),
             LoadTrainer.op: lambda c: self._changing_weights(self.trainer.load, Path(c.directory)),
+            OffloadTrainer.op: self.offload,
+            OnloadTrainer.op: lambda c: self.trainer.onload(c.parts),
             ConnectWeights.op: self.connect,
             SendWeights.op: self.send,
             CommitWeights.op: lambda c: self.sender and self.sender.commit(),
@@ -143,6 +162,12 @@ class TrainerWorker:
             rows = self.trainer.logprobs(shard)
         finally:  # rank 0 waits for them whatever happened
             self.shards.send_result(rows, shape)
+
+    def offload(self, command: OffloadTrainer) -> dict[str, float]:
+        """Offload; the parameters only once the rollback copy no longer reads them."""
+        if "params" in command.parts:
+            return self._changing_weights(self.trainer.offload, command.parts)
+        return self.trainer.offload(command.parts)
 
     def _changing_weights(self, method: Any, *args: Any) -> Any:
         """Run a command that changes the parameters once the last sync's rollback copy, which
@@ -204,8 +229,13 @@ class EngineWorker:
         local_rank: int,
         log_dir: Path,
         host: str,
+        colocated: bool = False,
     ) -> None:
         self.engine = engine
+        # Colocated (split, defer) engines give their memory back between phases through
+        # SGLang's memory saver; a static model keeps a backup of its weights, while rollout's
+        # come back with the next weight sync.
+        saver = {"enable_memory_saver": True, "enable_weights_cpu_backup": engine.role != "rollout"}
         self.server = SGLangServer(
             model_path=model_dir,
             device=device,
@@ -214,7 +244,12 @@ class EngineWorker:
             tp_size=engine.tp_size,
             pp_size=engine.pp_size,
             base_gpu_id=platform.engine_base_device(device, local_rank),
-            engine={"log_level": log_level, **section.engine, "dtype": dtype},
+            engine={
+                "log_level": log_level,
+                **section.engine,
+                **(saver if colocated else {}),
+                "dtype": dtype,
+            },
         )
 
     def start(self, timeout_s: float) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from relax_launch.trainer.model import (
     load_hf_checkpoint,
     read_shape,
 )
+from relax_launch.trainer.offload import PARTS, StateOffloader
 
 
 class Trainer:
@@ -58,11 +60,30 @@ class Trainer:
             self.reference.load_state_dict(self.model.module.state_dict())  # no second read
             self.reference.requires_grad_(False).eval()
         self.optimizer = build_optimizer(self.model, section, pgc)
+        self.offloader = StateOffloader(self.model, self.optimizer, self.reference)
         self.step = 0
 
     @property
     def is_last_stage(self) -> bool:
         return self.pgc.pp.rank() == self.pgc.pp.size() - 1
+
+    def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        """Move ``parts`` of this rank's state ("params" — with the reference model's —,
+        "grads", "optimizer"; see ``trainer/offload.py``) to host memory, freeing the device
+        storage. Returns the bytes moved and the seconds it took; offloaded parts are skipped."""
+        start = time.perf_counter()
+        moved = self.offloader.offload(parts)
+        return {"bytes": sum(moved.values()), "seconds": time.perf_counter() - start}
+
+    def onload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        """Bring offloaded ``parts`` back to the device, bit-exact; same reply as ``offload``."""
+        start = time.perf_counter()
+        moved = self.offloader.onload(parts)
+        return {"bytes": sum(moved.values()), "seconds": time.perf_counter() - start}
+
+    def resident(self, part: str) -> bool:
+        """Whether state ``part`` is on the device (not offloaded)."""
+        return self.offloader.resident(part)
 
     def train_step(self, shard: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's ``shard`` (gradients are averaged over DP ranks):
@@ -72,6 +93,7 @@ class Trainer:
         Returns the grad norm, and on the last pipeline stage the mean micro-batch loss (and,
         for PPO, the clipped fraction and approximate KL to the sampling policy).
         """
+        self.offloader.require("train_step", PARTS)
         spec = spec or LossSpec()
         micro_batches = self._micro_batches(shard)
         if spec.kl_coef > 0:
@@ -98,6 +120,7 @@ class Trainer:
     def save(self, directory: Path) -> str | None:
         """Write this shard's model and optimizer state (on DP rank 0; other replicas hold the
         same state). Returns the file written, if any."""
+        self.offloader.require("save", ("params", "optimizer"))
         if self.pgc.dp.rank() != 0:
             return None
         path = directory / self.shard_name
@@ -114,6 +137,7 @@ class Trainer:
     def load(self, directory: Path) -> int:
         """Restore this shard's model and optimizer from ``directory``; returns the optimizer
         steps the checkpoint had taken."""
+        self.offloader.require("load", ("params", "optimizer"))
         path = directory / self.shard_name
         if not path.is_file():
             raise FileNotFoundError(
@@ -130,6 +154,7 @@ class Trainer:
     def logprobs(self, shard: TokenBatch) -> list[list[float]] | None:
         """Per-token logprobs of ``tokens[1:]`` for this DP rank's ``shard`` (last stage; else
         None)."""
+        self.offloader.require("logprobs", ("params",))
         outputs = self._schedule(
             self.model, self._micro_batches(shard), forward_only=True, spec=LossSpec()
         )
@@ -202,6 +227,10 @@ class Trainer:
         Every rank of data-parallel replica 0 must iterate it to the end (TP gathers); other
         replicas yield nothing. ``fused``: q/k/v and gate/up in the engine's fused layout.
         """
+        self.offloader.require("export_hf_weights", ("params",))  # now, not at the first next()
+        return self._export_hf_weights(fused)
+
+    def _export_hf_weights(self, fused: bool) -> Iterator[tuple[str, torch.Tensor]]:
         if self.pgc.dp.rank() != 0:
             return
         tp = self.pgc.tp

@@ -58,12 +58,15 @@ def serve(
     *,
     admin_token: str | None = ADMIN_TOKEN,
     renderers: dict[str, Renderer] | None = None,
+    leases: Callable | None = None,
     **config,
 ) -> Iterator[str]:
-    """A real gateway (uvicorn thread) for ``managers``; yields its URL."""
+    """A real gateway (uvicorn thread) for ``managers``; yields its URL. ``leases``: the
+    coordinator's state, as a split/defer job sets it."""
     app = InferenceGateway(
         managers, config=GatewayConfig(**config), admin_token=admin_token, renderers=renderers
     )
+    app.admin.leases = leases
     server = GatewayServer(app, "127.0.0.1", 0)
     server.start()
     try:

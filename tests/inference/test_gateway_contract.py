@@ -269,6 +269,20 @@ def test_admin_routes_need_the_token(gateway_over, upstream):
     assert upstream.requests == []
 
 
+def test_coordinated_roles_show_their_lease_and_refuse_admin_memory_operations(
+    gateway_over, upstream
+):
+    lease = {"lease": "sleeping", "resident": [], "ranks": [0]}
+    with gateway_over("teacher", leases=lambda: {"teacher": lease}) as (url, manager):
+        good = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        assert httpx.get(f"{url}/teacher/admin/engines", headers=good).json()["lease"] == lease
+        for op in ("drain", "offload", "onload"):
+            reply = httpx.post(f"{url}/teacher/admin/{op}", json={}, headers=good)
+            assert reply.status_code == 409 and "coordinator" in reply.text, reply.text
+        assert manager.state is State.READY
+    assert upstream.requests == []
+
+
 def test_no_weight_mutation_route_is_exposed(gateway_over, upstream):
     with gateway_over("teacher") as (url, _):
         for op in ("update_weights_from_disk", "init_weights_update_group", "load_lora_adapter"):

@@ -4,8 +4,11 @@ onload) with the engine's answers unchanged, the judge form, and sglang-router r
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
+import psutil
 import pytest
 from conftest import ADMIN_TOKEN, make_manager, serve
 
@@ -14,6 +17,7 @@ from relax_launch.inference.control_plane import chat_renderer
 from relax_launch.inference.discovery import State
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.router import SGLangRouter
+from relax_launch.runtime.lifecycle import BatchFailed, LeaseError, LifecycleCoordinator
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"text": "The weather today", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
@@ -106,6 +110,46 @@ def test_drain_closes_admission_until_onload(rollout):
     assert httpx.post(f"{url}/rollout/generate", json=GREEDY).status_code == 503
     httpx.post(f"{url}/rollout/admin/onload", json={}, headers=ADMIN, timeout=120)
     assert httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=60).status_code == 200
+
+
+def test_engine_offload_timeout_keeps_the_lease_blocked_until_a_confirmed_cleanup(tiny_server):
+    """Fault injection on a real engine: frozen (SIGSTOP) during an offload, the coordinator's
+    lease stays BLOCKED even after the late call succeeds; a retry after recovery releases it."""
+    manager = make_manager("teacher", [tiny_server.url], served=tiny_server.model_path)
+    coordinator = LifecycleCoordinator(operation_timeout_s=2.0)
+    coordinator.register(
+        "teacher",
+        ranks=(0,),
+        parts=("weights", "kv_cache"),
+        onload=lambda parts: manager.onload(parts),
+        offload=lambda parts: manager.offload(parts),
+        resident=("weights", "kv_cache"),
+    )
+    server = psutil.Process(tiny_server.pid)
+    frozen = [server, *server.children(recursive=True)]
+    coordinator.begin_batch(0)
+    try:
+        for process in frozen:
+            process.suspend()
+        with pytest.raises(LeaseError, match=r"teacher \(rank 0\): offload failed \(no answer"):
+            coordinator.deactivate("teacher")
+    finally:
+        for process in frozen:
+            process.resume()
+    try:
+        with pytest.raises(BatchFailed, match=r"teacher \(rank 0\)"):
+            coordinator.wait_committed(0, 1)
+        time.sleep(3)  # the late offload completes ...
+        assert coordinator.state()["teacher"]["lease"] == "blocked"  # ... and releases nothing
+        with pytest.raises(LeaseError, match="BLOCKED"):
+            coordinator.begin_batch(1)
+        coordinator.deactivate("teacher")  # the cleanup, confirmed this time
+        coordinator.begin_batch(1)
+        coordinator.activate("teacher")
+        assert coordinator.state()["teacher"]["lease"] == "active" and manager.ready
+    finally:
+        manager.onload()
+        coordinator.close()
 
 
 def test_judge_form_with_the_models_chat_template(tiny_server, tiny_model):

@@ -161,6 +161,29 @@ def test_rollout_is_ready_only_after_a_committed_sync():
     assert m.ready  # rolled back: version 0 keeps serving
 
 
+def test_rollout_that_released_its_weights_waits_for_the_next_sync():
+    e = ScriptedEngine("e0", version="3")
+    m = manager([e], weight_source=WeightSource.TRAINER)
+    m.weights_updating()
+    m.weights_committed(3)
+    m.offload(["kv_cache"])
+    m.onload()
+    assert m.ready  # the weights stayed resident
+    m.offload()
+    m.onload()
+    assert not m.ready and m.snapshot().models["m"].state is State.ONLOADING
+    m.weights_updating()
+    m.weights_committed(3)
+    assert m.ready
+
+
+def test_static_model_keeps_its_weights_across_offload():
+    m = manager([ScriptedEngine("e0")])
+    m.offload()
+    m.onload()
+    assert m.ready  # restored from its backup, no sync needed
+
+
 def test_commit_that_engines_do_not_serve_fails_the_model():
     e = ScriptedEngine("e0", version="1")
     m = manager([e], weight_source=WeightSource.TRAINER)

@@ -38,7 +38,9 @@ def rollout_gateway(pair: dict[str, str], mode: str, policy: str, log_dir: Path)
         return
     router = SGLangRouter(worker_urls=urls, log_path=log_dir / "router.log", policy=policy)
     router.start(120)
-    try:
+    try:  # the router's metrics listen on a port of their own, not a fixed default
+        metrics = f"http://{router.host}:{router.prometheus_port}/metrics"
+        assert httpx.get(metrics, timeout=10).status_code == 200
         manager = make_manager("rollout", urls, router_url=router.url, policy=policy)
         with serve({"rollout": manager}, routing_policy=policy) as url:
             discovery = httpx.get(f"{url}/rollout/engines").json()["models"]["m"]

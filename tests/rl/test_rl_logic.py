@@ -303,7 +303,6 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
             super().write(metrics)
             now[0] += 4.0  # e.g. a slow disk under metrics.jsonl and TensorBoard
 
-    monkeypatch.setattr(loop, "rl_step", step_of_six_seconds)
     console = Console(file=io.StringIO())
     ctx = SimpleNamespace(
         algorithm=SimpleNamespace(off_policy_steps=0),
@@ -313,7 +312,7 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
         background=None,
         seconds={},
     )
-    history = loop.run(ctx, 3, tmp_path)
+    history = loop.run(ctx, 3, tmp_path, step_fn=step_of_six_seconds)
     # step k's window starts where step k-1's ended: writing step k-1's row is in step k
     assert [r["time/step"] for r in history] == [6.0, 10.0, 10.0]
     assert [r["time/other"] for r in history] == [0.0, 4.0, 4.0]

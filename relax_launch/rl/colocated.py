@@ -1,0 +1,185 @@
+"""One RL step of a colocated job (placement ``split`` or ``defer``): the roles take turns on the
+shared ranks under the ``LifecycleCoordinator``; each turn is granted only once the previous
+holder's offload is confirmed.
+
+defer:  the trainer offloads grads + optimizer -> rollout onloads its weights -> weight sync
+        (version = step) -> the trainer offloads its params -> rollout onloads its KV cache,
+        generates, offloads -> the teacher onloads, scores (written back onto the samples),
+        offloads -> the genrm the same (rewards) -> commit -> the trainer onloads -> train.
+split:  the same up to the sync; then every inference role onloads at once (each on its own
+        slice), they generate and score in turn, all offload -> commit -> train.
+
+A failure in any phase fails the batch: nothing is committed and nothing trained; the error
+names the phase, the role and its ranks. The coordinator's event log (``coordinator.jsonl`` in
+the run's log directory) records every grant, confirmation and commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from relax_launch.rl.loop import (
+    RLContext,
+    RolloutBatch,
+    finish_batch,
+    generate,
+    score_rewards,
+    score_teacher,
+    step_record,
+    sync_metrics,
+    timed,
+    to_batch,
+)
+from relax_launch.rl.samples import Sample
+from relax_launch.runtime.lifecycle import LeaseError, LifecycleCoordinator
+
+COMMIT_WAIT_S = 60.0  # the commit happens on this thread just before: the gate opens at once
+
+
+class PhaseError(RuntimeError):
+    """A phase of a colocated step failed; the message names the phase, role and ranks."""
+
+
+class BatchWork(Protocol):
+    """What a colocated batch does inside its turns (``RLBatchWork``; a test scripts it)."""
+
+    def sync(self) -> None: ...
+    def generate(self) -> None: ...
+    def score(self, role: str) -> None: ...
+    def finish(self) -> None: ...
+
+
+@dataclass
+class Turns:
+    """Grants and releases through the coordinator, timing each and adding up bytes moved."""
+
+    coordinator: LifecycleCoordinator
+    batch: int
+    seconds: dict[str, float]
+    moved: dict[str, float] = field(default_factory=lambda: {"offloaded": 0.0, "onloaded": 0.0})
+
+    def take(self, role: str, parts: tuple[str, ...] | None = None) -> None:
+        self._move(role, "activate", parts)
+
+    def give(self, role: str, parts: tuple[str, ...] | None = None) -> None:
+        self._move(role, "deactivate", parts)
+
+    def _move(self, role: str, action: str, parts: tuple[str, ...] | None) -> None:
+        verb = "onload" if action == "activate" else "offload"
+        name = f"{verb}_{role}" + (f"_{'+'.join(parts)}" if parts else "")
+        with timed(self.seconds, name), self.phase(name, role):
+            result = getattr(self.coordinator, action)(role, parts, f"{self.batch}:{name}")
+        key = "onloaded" if verb == "onload" else "offloaded"
+        self.moved[key] += result.get("bytes", 0.0)
+
+    @contextmanager
+    def phase(self, name: str, role: str) -> Iterator[None]:
+        """An error inside names the phase, the role and its ranks."""
+        try:
+            yield
+        except (LeaseError, PhaseError):
+            raise  # already names the role and its ranks
+        except Exception as exc:
+            member = self.coordinator.members[role].describe()
+            raise PhaseError(
+                f"phase {name} of batch {self.batch} failed on {member}: {exc}"
+            ) from exc
+
+
+def produce(work: BatchWork, turns: Turns, *, split: bool, scorers: tuple[str, ...]) -> None:
+    """Everything a colocated batch does before its commit, in the order of the module doc."""
+    turns.give("trainer", ("grads", "optimizer"))
+    turns.take("rollout", ("weights",))
+    with turns.phase("sync", "rollout"):
+        work.sync()
+    turns.give("trainer", ("params",))
+    turns.take("rollout", ("kv_cache",))
+    for role in scorers if split else ():
+        turns.take(role)
+    with turns.phase("rollout", "rollout"):
+        work.generate()
+    if not split:
+        turns.give("rollout")
+    for role in scorers:
+        if not split:
+            turns.take(role)
+        with turns.phase(role, role):
+            work.score(role)
+        if not split:
+            turns.give(role)
+    for role in ("rollout", *scorers) if split else ():
+        turns.give(role)
+    work.finish()
+
+
+def run_batch(
+    work: BatchWork,
+    coordinator: LifecycleCoordinator,
+    batch: int,
+    *,
+    split: bool,
+    seconds: dict[str, float] | None = None,
+) -> Turns:
+    """Produce and commit one batch, then give the trainer its ranks back; a failure fails the
+    batch (nothing committed) and is raised. Each turn's time goes into ``seconds``."""
+    turns = Turns(coordinator, batch, {} if seconds is None else seconds)
+    scorers = tuple(r for r in ("teacher", "genrm") if r in coordinator.members)
+    coordinator.begin_batch(batch)
+    try:
+        produce(work, turns, split=split, scorers=scorers)
+        coordinator.commit_batch(batch)
+    except BaseException as exc:
+        coordinator.fail_batch(batch, str(exc))
+        raise
+    coordinator.wait_committed(batch, COMMIT_WAIT_S)  # the commit gate of the train step
+    turns.take("trainer")
+    return turns
+
+
+@dataclass
+class RLBatchWork:
+    """The RL loop's work in each turn: sync, generate, teacher/genrm scoring, advantages."""
+
+    ctx: RLContext
+    step: int
+    seconds: dict[str, float]
+    samples: list[Sample] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    batch: RolloutBatch | None = None
+
+    def sync(self) -> None:
+        with timed(self.seconds, "sync"):
+            reports = self.ctx.session.sync_weights(self.step)
+        self.metrics |= sync_metrics(reports, self.seconds["sync"])
+
+    def generate(self) -> None:
+        self.samples, self.cursor = generate(self.ctx, self.seconds)
+
+    def score(self, role: str) -> None:
+        if role == "teacher":
+            score_teacher(self.ctx, self.samples, self.seconds)
+        else:  # the genrm judges inside the reward sources
+            self.metrics |= score_rewards(self.ctx, self.samples, self.seconds)
+
+    def finish(self) -> None:
+        if "reward" not in self.seconds:  # no genrm: function rewards need no lease
+            self.metrics |= score_rewards(self.ctx, self.samples, self.seconds)
+        self.batch = finish_batch(self.ctx, self.samples, self.metrics, self.seconds, self.cursor)
+
+
+def colocated_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
+    """One RL step of a split or defer job (``run``'s step function there)."""
+    ctx.seconds = seconds = {}
+    work = RLBatchWork(ctx, step, seconds)
+    split = ctx.session.plan.mode == "split"
+    turns = run_batch(work, ctx.coordinator, step, split=split, seconds=seconds)
+    ctx.trained_cursor = work.batch.cursor
+    with timed(seconds, "train"):
+        metrics = ctx.session.train_step(
+            to_batch(work.samples, ctx.algorithm.distill_coef), ctx.spec
+        )
+    metrics |= {f"memory/{k}_gb": v / 1e9 for k, v in turns.moved.items()}
+    return step_record(ctx, step, work.batch, metrics, stale=0)

@@ -1,0 +1,119 @@
+"""The order of a colocated batch (defer, split) under the coordinator, with scripted work and
+scripted role operations (the real job: tests/rl/test_colocated_job.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax_launch.rl.colocated import PhaseError, run_batch
+from relax_launch.runtime.colocation import SYNC_WINDOW, TRAINER_PARTS
+from relax_launch.runtime.lifecycle import BatchFailed, LeaseError, LifecycleCoordinator
+
+ENGINE_PARTS = ("weights", "kv_cache")
+
+
+class Work:
+    """Records each step of the batch with who held memory at that moment."""
+
+    def __init__(self, coordinator: LifecycleCoordinator, fail: str = "") -> None:
+        self.coordinator, self.fail, self.log = coordinator, fail, []
+
+    def _at(self, what: str) -> None:
+        holders = {r: s["resident"] for r, s in self.coordinator.state().items() if s["resident"]}
+        self.log.append((what, holders))
+        if what == self.fail:
+            raise RuntimeError(f"{what} broke")
+
+    def sync(self) -> None:
+        self._at("sync")
+
+    def generate(self) -> None:
+        self._at("generate")
+
+    def score(self, role: str) -> None:
+        self._at(role)
+
+    def finish(self) -> None:
+        self._at("finish")
+
+
+def coordinator(layout: dict[str, tuple[int, ...]], broken: str = "") -> LifecycleCoordinator:
+    coord = LifecycleCoordinator(operation_timeout_s=5, co_resident=SYNC_WINDOW)
+
+    def op(role: str, kind: str):
+        def call(parts):
+            if f"{role}.{kind}" == broken:
+                raise RuntimeError("engine did not answer")
+            return {"bytes": 10.0}
+
+        return call
+
+    for role, ranks in layout.items():
+        trainer = role == "trainer"
+        coord.register(
+            role,
+            ranks=ranks,
+            parts=TRAINER_PARTS if trainer else ENGINE_PARTS,
+            onload=op(role, "onload"),
+            offload=op(role, "offload"),
+            inference=not trainer,
+            resident=TRAINER_PARTS if trainer else (),
+        )
+    return coord
+
+
+DEFER = {"trainer": (0, 1), "rollout": (0, 1), "teacher": (0, 1), "genrm": (0,)}
+SPLIT = {"trainer": (0, 1, 2), "rollout": (0,), "teacher": (1,), "genrm": (2,)}
+
+
+def test_deferred_writeback_precedes_commit_and_never_overlaps():
+    coord = coordinator(DEFER)
+    work = Work(coord)
+    turns = run_batch(work, coord, 0, split=False)
+    assert [what for what, _ in work.log] == ["sync", "generate", "teacher", "genrm", "finish"]
+    held = dict(work.log)
+    assert held["sync"] == {"trainer": ["params"], "rollout": ["weights"]}
+    assert held["generate"] == {"rollout": ["kv_cache", "weights"]}
+    assert held["teacher"] == {"teacher": ["kv_cache", "weights"]}
+    assert held["genrm"] == {"genrm": ["kv_cache", "weights"]}
+    events = [(e["event"], e.get("role")) for e in coord.events]
+    assert events.index(("confirm", "genrm")) < events.index(("commit", None))
+    assert events[-1] == ("confirm", "trainer")  # the trainer gets its ranks back last
+    assert coord.state()["trainer"]["resident"] == sorted(TRAINER_PARTS)
+    assert turns.moved["offloaded"] > 0 and "onload_teacher" in turns.seconds
+
+
+def test_split_runs_inference_roles_on_their_slices_together():
+    coord = coordinator(SPLIT)
+    work = Work(coord)
+    run_batch(work, coord, 0, split=True)
+    held = dict(work.log)
+    assert set(held["generate"]) == {"rollout", "teacher", "genrm"}
+    assert held["finish"] == {}
+
+
+def test_deferred_teacher_failure_never_commits_and_never_trains():
+    coord = coordinator(DEFER)
+    work = Work(coord, fail="teacher")
+    with pytest.raises(
+        PhaseError, match=r"phase teacher of batch 0 failed on teacher \(ranks 0,1\)"
+    ):
+        run_batch(work, coord, 0, split=False)
+    assert "commit" not in [e["event"] for e in coord.events]
+    assert "finish" not in [w for w, _ in work.log]
+    with pytest.raises(BatchFailed, match="teacher broke"):
+        coord.wait_committed(0, 1)
+    assert coord.state()["trainer"]["resident"] == []  # never onloaded to train
+
+
+def test_failed_offload_blocks_names_rank_and_role_and_a_retry_after_recovery_succeeds():
+    coord = coordinator(DEFER, broken="rollout.offload")
+    with pytest.raises(LeaseError, match=r"rollout \(ranks 0,1\): offload failed"):
+        run_batch(Work(coord), coord, 0, split=False)
+    assert coord.state()["rollout"]["lease"] == "blocked"
+    with pytest.raises(LeaseError, match="BLOCKED"):
+        run_batch(Work(coord), coord, 1, split=False)
+    coord.members["rollout"].offload = lambda parts: {}  # the engine recovers
+    coord.deactivate("rollout")
+    run_batch(Work(coord), coord, 1, split=False)
+    assert [e["event"] for e in coord.events].count("commit") == 1
