@@ -53,6 +53,12 @@ class OwnedProcess:
 
     def start(self, timeout_s: float) -> None:
         """Start the process and return once ``probe`` passes, or raise (and stop it)."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (``wait_ready`` does), so that several
+        servers, or a server and the trainer's build, start at once."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -63,6 +69,9 @@ class OwnedProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Return once ``probe`` passes, or raise (and stop the process)."""
         try:
             self._wait_ready(timeout_s)
         except BaseException:

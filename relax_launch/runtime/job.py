@@ -38,46 +38,57 @@ def role_labels(plan: PlacementPlan) -> dict[int, str]:
 def build_workers(
     job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any, shards: ShardChannel
 ) -> list[Any]:
-    """This rank's trainer share and engine heads; engine servers are started here."""
+    """This rank's engine heads and trainer share. Every engine server is launched first, so
+    the engines load while the trainer builds; then each is waited for (its first token)."""
     workers: list[Any] = []
-    device = job.cluster.device
-    roles = job.inference_roles()
+    assignments = plan.ranks[rank].assignments
     try:
-        for a in plan.ranks[rank].assignments:
-            if a.role == "trainer":
-                from relax_launch.trainer.trainer import Trainer  # Megatron: trainer ranks only
-
-                trainer = Trainer(
-                    section=job.trainer,
-                    model_dir=ensure_model(job.trainer.model),
-                    pgc=pgc,
-                    device=device,
-                    reference=job.algorithm.kl_coef > 0,
-                )
-                host = node_address(plan)
-                workers.append(
-                    TrainerWorker(trainer=trainer, shards=shards, device=device, host=host)
-                )
-            elif a.is_head:
-                model = job.rollout_model() if a.role == "rollout" else roles[a.role].model
-                worker = EngineWorker(
-                    engine=plan.engines_of(a.role)[a.engine_index],
-                    section=roles[a.role],
-                    dtype=job.engine_dtype(a.role),
-                    log_level=job.logging.level,
-                    model_dir=ensure_model(model),
-                    device=device,
-                    local_rank=plan.ranks[rank].local_rank,
-                    log_dir=job.log_dir,
-                    host=node_address(plan),
-                    colocated=plan.mode != "decoupled",
-                )
-                workers.append(worker)
-                worker.start(job.cluster.startup_timeout_s)
+        for a in assignments:
+            if a.is_head:
+                workers.append(engine_worker(job, plan, rank, a.role, a.engine_index))
+                workers[-1].launch()
+        if any(a.role == "trainer" for a in assignments):
+            workers.append(trainer_worker(job, plan, pgc, shards))
+        for worker in workers:
+            if isinstance(worker, EngineWorker):
+                worker.wait_ready(job.cluster.startup_timeout_s)
     except BaseException:
         close_all(workers)
         raise
     return workers
+
+
+def engine_worker(job: JobConfig, plan: PlacementPlan, rank: int, role: str, index: int) -> Any:
+    """The head of engine ``index`` of ``role`` on this rank (its server not started yet)."""
+    section = job.inference_roles()[role]
+    model = job.rollout_model() if role == "rollout" else section.model
+    return EngineWorker(
+        engine=plan.engines_of(role)[index],
+        section=section,
+        dtype=job.engine_dtype(role),
+        log_level=job.logging.level,
+        model_dir=ensure_model(model),
+        device=job.cluster.device,
+        local_rank=plan.ranks[rank].local_rank,
+        log_dir=job.log_dir,
+        host=node_address(plan),
+        colocated=plan.mode != "decoupled",
+    )
+
+
+def trainer_worker(job: JobConfig, plan: PlacementPlan, pgc: Any, shards: ShardChannel) -> Any:
+    """This rank's share of the Megatron trainer, built from the policy's HF checkpoint."""
+    from relax_launch.trainer.trainer import Trainer  # Megatron: trainer ranks only
+
+    device = job.cluster.device
+    trainer = Trainer(
+        section=job.trainer,
+        model_dir=ensure_model(job.trainer.model),
+        pgc=pgc,
+        device=device,
+        reference=job.algorithm.kl_coef > 0,
+    )
+    return TrainerWorker(trainer=trainer, shards=shards, device=device, host=node_address(plan))
 
 
 def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | None:

@@ -252,8 +252,12 @@ class EngineWorker:
             },
         )
 
-    def start(self, timeout_s: float) -> None:
-        self.server.start(timeout_s)
+    def launch(self) -> None:
+        """Start the server's process; ``wait_ready`` waits for its first token."""
+        self.server.launch()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.server.wait_ready(timeout_s)
 
     def handlers(self) -> dict[str, Handler]:
         return {EngineUrl(self.engine.role, self.engine.index).route: lambda c: self.server.url}
