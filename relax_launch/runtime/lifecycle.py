@@ -206,12 +206,7 @@ class LifecycleCoordinator:
     def _settle(self, action: str, member: Member, record: OperationRecord) -> dict[str, float]:
         """Wait for the operation; the first waiter to finish decides its outcome, once: a late
         answer after a timeout changes nothing, a joined duplicate gets the same outcome."""
-        try:
-            result, why = record.future.result(timeout=self.operation_timeout_s) or {}, ""
-        except FutureTimeout:
-            result, why = {}, f"no answer within {self.operation_timeout_s:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the outcome unknown
-            result, why = {}, f"{type(exc).__name__}: {exc}"
+        result, why = self._wait(record) if record.outcome is None else ({}, "")
         with self._changed:
             if record.outcome is None:
                 record.outcome = self._apply(action, member, record, result, why)
@@ -219,6 +214,16 @@ class LifecycleCoordinator:
         if isinstance(outcome, LeaseError):
             raise LeaseError(str(outcome))
         return outcome
+
+    def _wait(self, record: OperationRecord) -> tuple[dict[str, float], str]:
+        """The operation's result, or why there is none, within the timeout from its start."""
+        left = self.operation_timeout_s - (time.monotonic() - record.began)
+        try:
+            return record.future.result(timeout=max(left, 0.0)) or {}, ""
+        except FutureTimeout:
+            return {}, f"no answer within {self.operation_timeout_s:.0f} s"
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the outcome unknown
+            return {}, f"{type(exc).__name__}: {exc}"
 
     def _apply(
         self, action: str, member: Member, record: OperationRecord, result: dict, why: str

@@ -265,3 +265,19 @@ def test_event_log_proves_who_held_the_ranks(tmp_path):
         {},
     ]
     assert confirms[1]["bytes"] == 200
+
+
+def test_a_duplicate_of_a_timed_out_operation_gets_its_outcome_at_once():
+    coord, roles = coordinator(timeout_s=0.5)
+    coord.deactivate("trainer")
+    roles["teacher"].gate = gate = threading.Event()  # the call hangs
+    try:
+        with pytest.raises(LeaseError, match="no answer within"):
+            coord.activate("teacher", None, "hung")
+        began = time.monotonic()
+        with pytest.raises(LeaseError, match="no answer within"):
+            coord.activate("teacher", None, "hung")
+        assert time.monotonic() - began < 0.2  # not another full timeout on the hung call
+    finally:
+        gate.set()
+    assert roles["teacher"].calls == [("onload", ("weights", "kv_cache"))]
