@@ -48,8 +48,10 @@ class SGLangServer(OwnedProcess):
         pp_size: int = 1,
         base_gpu_id: int = 0,
         engine: dict[str, Any] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.model_path, self.device = str(model_path), device
+        self.extra_env = dict(extra_env or {})
         self.parallel = {"tp_size": tp_size, "pp_size": pp_size, "base_gpu_id": base_gpu_id}
         self.engine = dict(engine or {})
         super().__init__(
@@ -82,6 +84,7 @@ class SGLangServer(OwnedProcess):
         env = {
             **platform.sglang_env(self.device, base=base),
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+            **self.extra_env,
         }
         if env.get("SGLANG_PLUGINS"):  # a whitelist of plugins must keep weight sync's receiver
             env["SGLANG_PLUGINS"] += "," + RECEIVER_PLUGIN

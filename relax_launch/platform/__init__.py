@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 Device = Literal["cpu", "cuda"]
 STAND_INS_DIR = Path(__file__).parent / "stand_ins"
+# Where the CPU memory saver stand-in writes static weights' backups (its BACKUP_DIR_ENV).
+MEMORY_SAVER_DIR_ENV = "RELAX_MEMORY_SAVER_DIR"
 
 
 def dist_backend(device: Device) -> str:

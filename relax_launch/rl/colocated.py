@@ -34,7 +34,7 @@ from relax_launch.rl.loop import (
     to_batch,
 )
 from relax_launch.rl.samples import Sample
-from relax_launch.runtime.lifecycle import LeaseError, LifecycleCoordinator
+from relax_launch.runtime.lifecycle import TRAINER, LeaseError, LifecycleCoordinator
 
 COMMIT_WAIT_S = 60.0  # the commit happens on this thread just before: the gate opens at once
 
@@ -59,7 +59,7 @@ class Turns:
     coordinator: LifecycleCoordinator
     batch: int
     seconds: dict[str, float]
-    moved: dict[str, float] = field(default_factory=lambda: {"offloaded": 0.0, "onloaded": 0.0})
+    moved: dict[str, float] = field(default_factory=dict)  # e.g. "engines_offloaded": bytes
 
     def take(self, role: str, parts: tuple[str, ...] | None = None) -> None:
         self._move(role, "activate", parts)
@@ -72,8 +72,8 @@ class Turns:
         name = f"{verb}_{role}" + (f"_{'+'.join(parts)}" if parts else "")
         with timed(self.seconds, name), self.phase(name, role):
             result = getattr(self.coordinator, action)(role, parts, f"{self.batch}:{name}")
-        key = "onloaded" if verb == "onload" else "offloaded"
-        self.moved[key] += result.get("bytes", 0.0)
+        key = f"{'trainer' if role == TRAINER else 'engines'}_{verb}ed"
+        self.moved[key] = self.moved.get(key, 0.0) + result.get("bytes", 0.0)
 
     @contextmanager
     def phase(self, name: str, role: str) -> Iterator[None]:

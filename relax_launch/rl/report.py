@@ -221,8 +221,8 @@ class StepProgress:
         parts.append(" ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m))
         turns = [v for k, v in m.items() if k.startswith(("time/onload_", "time/offload_"))]
         if turns:  # split/defer: the roles' turns on the shared ranks
-            moved = m.get("memory/offloaded_gb", 0.0)
-            parts.append(f"turns {sum(turns):.1f}s ({len(turns)} moves, trainer {moved:.2f} GB)")
+            moved = sum(m.get(f"memory/{k}_offloaded_gb", 0.0) for k in ("trainer", "engines"))
+            parts.append(f"turns {sum(turns):.1f}s ({len(turns)} moves, {moved:.2f} GB off)")
         return "relax-launch: " + " | ".join(parts) + f" | ETA {self.eta()}"
 
     def eta(self) -> str:

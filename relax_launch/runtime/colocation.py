@@ -2,15 +2,16 @@
 
 The trainer's memory parts move by command on every trainer rank (``TrainerClient.offload`` /
 ``onload``); an inference role's by its ``InferenceManager`` (SGLang's release/resume of memory
-tags, drained first). Every engine comes up loaded, so the coordinator starts by offloading them:
-the trainer holds the ranks until the first batch asks for them.
+tags, drained first), counted in the bytes SGLang reports each tag holding. Every engine comes
+up loaded, so the coordinator starts by offloading them: the trainer holds the ranks until the
+first batch asks for them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from relax_launch.inference.manager import InferenceManager
 from relax_launch.runtime.lifecycle import TRAINER, LifecycleCoordinator
 from relax_launch.runtime.session import Session
 
@@ -40,12 +41,13 @@ def build_coordinator(
     )
     managers = session.control_plane.managers if session.control_plane else {}
     for role, manager in managers.items():
+        moves = EngineMoves(manager)
         coordinator.register(
             role,
             ranks={rank for engine in plan.engines_of(role) for rank in engine.ranks},
             parts=tuple(ENGINE_TAGS),
-            onload=lambda parts, m=manager: _engines(m.onload, parts),
-            offload=lambda parts, m=manager: _engines(m.offload, parts),
+            onload=moves.onload,
+            offload=moves.offload,
             resident=tuple(ENGINE_TAGS),
         )
     for role in managers:
@@ -55,6 +57,40 @@ def build_coordinator(
     return coordinator
 
 
-def _engines(operation: Any, parts: tuple[str, ...]) -> dict[str, float]:
-    operation([tag for part in parts for tag in ENGINE_TAGS[part]])
-    return {}
+class EngineMoves:
+    """A role's onload/offload through its manager, with the bytes each moved: per engine and
+    tag, SGLang's own accounting (``/get_server_info`` memory usage, read once per engine)."""
+
+    def __init__(self, manager: InferenceManager) -> None:
+        self.manager = manager
+        self.sizes: dict[str, dict[str, float]] = {}
+
+    def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        tags = _tags(parts)
+        moving = {e.engine_id: set(tags) - e.loaded for e in self.manager.engines}
+        self.manager.onload(tags)
+        return {"bytes": self._bytes(moving)}
+
+    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        tags = _tags(parts)
+        moving = {e.engine_id: set(tags) & e.loaded for e in self.manager.engines}
+        self.manager.offload(tags)
+        return {"bytes": self._bytes(moving)}
+
+    def _bytes(self, moving: dict[str, set[str]]) -> float:
+        return sum(self._size(engine)[tag] for engine in moving for tag in moving[engine])
+
+    def _size(self, engine_id: str) -> dict[str, float]:
+        if engine_id not in self.sizes:
+            engine = next(e for e in self.manager.engines if e.engine_id == engine_id)
+            usage = engine.info("/get_server_info")["internal_states"][0]["memory_usage"]
+            self.sizes[engine_id] = {
+                "weights": usage["weight"] * 1e9,
+                "kv_cache": usage["kvcache"] * 1e9,
+                "cuda_graph": sum(usage["graph"].values()) * 1e9,
+            }
+        return self.sizes[engine_id]
+
+
+def _tags(parts: tuple[str, ...]) -> list[str]:
+    return [tag for part in parts for tag in ENGINE_TAGS[part]]

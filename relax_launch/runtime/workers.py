@@ -9,7 +9,9 @@ through the ``ShardChannel``.
 
 from __future__ import annotations
 
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -236,6 +238,10 @@ class EngineWorker:
         # SGLang's memory saver; a static model keeps a backup of its weights, while rollout's
         # come back with the next weight sync.
         saver = {"enable_memory_saver": True, "enable_weights_cpu_backup": engine.role != "rollout"}
+        # The backups of a released static model live in a directory this worker owns and
+        # removes when the engine stops, whatever state the engine was stopped in.
+        self.scratch = Path(tempfile.mkdtemp(prefix="relax-memory-saver-")) if colocated else None
+        scratch_env = {platform.MEMORY_SAVER_DIR_ENV: str(self.scratch)} if self.scratch else {}
         self.server = SGLangServer(
             model_path=model_dir,
             device=device,
@@ -250,6 +256,7 @@ class EngineWorker:
                 **(saver if colocated else {}),
                 "dtype": dtype,
             },
+            extra_env=scratch_env,
         )
 
     def launch(self) -> None:
@@ -264,3 +271,5 @@ class EngineWorker:
 
     def close(self) -> None:
         self.server.stop()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)

@@ -80,7 +80,8 @@ def test_deferred_writeback_precedes_commit_and_never_overlaps():
     assert events.index(("confirm", "genrm")) < events.index(("commit", None))
     assert events[-1] == ("confirm", "trainer")  # the trainer gets its ranks back last
     assert coord.state()["trainer"]["resident"] == sorted(TRAINER_PARTS)
-    assert turns.moved["offloaded"] > 0 and "onload_teacher" in turns.seconds
+    assert turns.moved["trainer_offloaded"] == 20.0  # grads+optimizer, then params: 10 each
+    assert turns.moved["engines_offloaded"] == 30.0 and "onload_teacher" in turns.seconds
 
 
 def test_split_runs_inference_roles_on_their_slices_together():

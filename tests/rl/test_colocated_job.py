@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,21 @@ def run_job(config: Path, log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def scratch_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("relax-memory-saver-*"))
+
+
 def test_defer_job_takes_turns_and_trains(tmp_path):
+    before = scratch_dirs()
     steps = run_job(HERE / "defer_tiny.yaml", tmp_path)
+    # the static engines' weight backups (the teacher and genrm end the job released) are gone
+    assert scratch_dirs() == before
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["weight_version"] for s in steps] == [0, 1, 2]  # synced at the start of each step
     for s in steps:
-        assert s["reward/judge/failed"] == 0 and s["memory/offloaded_gb"] > 0
+        assert s["reward/judge/failed"] == 0 and s["memory/trainer_offloaded_gb"] > 0
+        # each engine's release, in the bytes SGLang accounts for its KV pool (and weights)
+        assert s["memory/engines_offloaded_gb"] >= 3 * 0.001, s
         assert {"time/onload_teacher", "time/offload_genrm", "time/sync", "time/train"} <= set(s)
     # teacher = initial policy, and both engines' weights were released and restored (the
     # teacher from its backup, the rollout by the sync): step 1's reverse KL is zero only if

@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_leaves
 _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGESIZE")
 _TAG_DEFAULT = "default"
-BACKUP_DIR_ENV = "RELAX_MEMORY_SAVER_DIR"  # where CPU backups go; tempfile's default otherwise
+# Where CPU backups go (relax_launch.platform.MEMORY_SAVER_DIR_ENV); tempfile's default otherwise.
+BACKUP_DIR_ENV = "RELAX_MEMORY_SAVER_DIR"
 logger = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
