@@ -7,7 +7,8 @@ defer:  the trainer offloads grads + optimizer -> rollout onloads its weights ->
         generates, offloads -> the teacher onloads, scores (written back onto the samples),
         offloads -> the genrm the same (rewards) -> commit -> the trainer onloads -> train.
 split:  the same up to the sync; then every inference role onloads at once (each on its own
-        slice), they generate and score in turn, all offload -> commit -> train.
+        slice, in parallel), they generate and score in turn, all offload together -> commit ->
+        train.
 
 A failure in any phase fails the batch: nothing is committed and nothing trained; the error
 names the phase, the role and its ranks. The coordinator's event log (``coordinator.jsonl`` in
@@ -16,7 +17,9 @@ the run's log directory) records every grant, confirmation and commit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -60,20 +63,37 @@ class Turns:
     batch: int
     seconds: dict[str, float]
     moved: dict[str, float] = field(default_factory=dict)  # e.g. "engines_offloaded": bytes
+    counting: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, role: str, parts: tuple[str, ...] | None = None) -> None:
-        self._move(role, "activate", parts)
+    def take(self, role: str, parts: tuple[str, ...] | None = None, own_time: bool = True) -> None:
+        self._move(role, "activate", parts, own_time)
 
-    def give(self, role: str, parts: tuple[str, ...] | None = None) -> None:
-        self._move(role, "deactivate", parts)
+    def give(self, role: str, parts: tuple[str, ...] | None = None, own_time: bool = True) -> None:
+        self._move(role, "deactivate", parts, own_time)
 
-    def _move(self, role: str, action: str, parts: tuple[str, ...] | None) -> None:
+    def take_all(self, roles: list[tuple[str, tuple[str, ...] | None]]) -> None:
+        """Onload several roles at once (split: each on its own slice), timed together as
+        ``onload_inference``; the first error raises."""
+        self._all(self.take, roles, "onload_inference")
+
+    def give_all(self, roles: list[tuple[str, tuple[str, ...] | None]]) -> None:
+        self._all(self.give, roles, "offload_inference")
+
+    def _all(self, move: Callable, roles: list[tuple[str, tuple[str, ...] | None]], name: str):
+        # one wall time for the group: per-role times would overlap and add up past the step
+        with timed(self.seconds, name), ThreadPoolExecutor(len(roles)) as pool:
+            moving = [pool.submit(move, role, parts, False) for role, parts in roles]
+        for done in moving:
+            done.result()
+
+    def _move(self, role: str, action: str, parts: tuple[str, ...] | None, own_time: bool) -> None:
         verb = "onload" if action == "activate" else "offload"
         name = f"{verb}_{role}" + (f"_{'+'.join(parts)}" if parts else "")
-        with timed(self.seconds, name), self.phase(name, role):
+        with timed(self.seconds if own_time else {}, name), self.phase(name, role):
             result = getattr(self.coordinator, action)(role, parts, f"{self.batch}:{name}")
         key = f"{'trainer' if role == TRAINER else 'engines'}_{verb}ed"
-        self.moved[key] = self.moved.get(key, 0.0) + result.get("bytes", 0.0)
+        with self.counting:  # split moves several roles at once
+            self.moved[key] = self.moved.get(key, 0.0) + result.get("bytes", 0.0)
 
     @contextmanager
     def phase(self, name: str, role: str) -> Iterator[None]:
@@ -96,9 +116,10 @@ def produce(work: BatchWork, turns: Turns, *, split: bool, scorers: tuple[str, .
     with turns.phase("sync", "rollout"):
         work.sync()
     turns.give("trainer", ("params",))
-    turns.take("rollout", ("kv_cache",))
-    for role in scorers if split else ():
-        turns.take(role)
+    if split:  # every inference role on its own slice, onloaded at once
+        turns.take_all([("rollout", ("kv_cache",)), *((role, None) for role in scorers)])
+    else:
+        turns.take("rollout", ("kv_cache",))
     with turns.phase("rollout", "rollout"):
         work.generate()
     if not split:
@@ -110,8 +131,8 @@ def produce(work: BatchWork, turns: Turns, *, split: bool, scorers: tuple[str, .
             work.score(role)
         if not split:
             turns.give(role)
-    for role in ("rollout", *scorers) if split else ():
-        turns.give(role)
+    if split:
+        turns.give_all([(role, None) for role in ("rollout", *scorers)])
     work.finish()
 
 

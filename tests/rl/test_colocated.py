@@ -3,6 +3,8 @@ scripted role operations (the real job: tests/rl/test_colocated_job.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from relax_launch.rl.colocated import PhaseError, run_batch
@@ -118,3 +120,21 @@ def test_failed_offload_blocks_names_rank_and_role_and_a_retry_after_recovery_su
     coord.deactivate("rollout")
     run_batch(Work(coord), coord, 1, split=False)
     assert [e["event"] for e in coord.events].count("commit") == 1
+
+
+def test_split_onloads_and_offloads_its_slices_at_once():
+    coord = coordinator(SPLIT)
+    together = {kind: threading.Barrier(3, timeout=5) for kind in ("onload", "offload")}
+
+    def meet(kind: str):
+        def call(parts):
+            if parts != ("weights",):  # rollout's weights onload alone, before the sync
+                together[kind].wait()  # breaks (an error) unless all three move at once
+            return {"bytes": 1.0}
+
+        return call
+
+    for role in ("rollout", "teacher", "genrm"):
+        coord.members[role].onload, coord.members[role].offload = meet("onload"), meet("offload")
+    turns = run_batch(Work(coord), coord, 0, split=True)
+    assert turns.moved["engines_onloaded"] == 4.0 and turns.moved["engines_offloaded"] == 3.0

@@ -30,7 +30,10 @@ def run_job(config: Path, log_dir: Path) -> list[dict]:
     assert "finished 3 steps" in result.stdout
     assert "| turns " in result.stdout  # the progress line shows the roles' turns
     assert re.search(r"time share .* turns \d+%", result.stdout)  # and so does the summary
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    # phases tile the step: no two timed phases overlap (split's moves are timed as a group)
+    assert all(s["time/other"] >= 0 for s in steps), [s["time/other"] for s in steps]
+    return steps
 
 
 def scratch_dirs() -> set[Path]:
