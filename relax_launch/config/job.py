@@ -123,8 +123,23 @@ def _colocation_problems(job: JobConfig) -> list[str]:
             ]
         if job.trainer.ranks < 1:
             return [f"trainer.ranks must be at least 1 (got {job.trainer.ranks})."]
+        if "operation_timeout_s" in job.placement.model_fields_set:
+            return [
+                "placement.operation_timeout_s bounds the offloads and onloads between the phases "
+                "of split/defer; placement.mode=decoupled has none: remove it."
+            ]
         return []
     problems = []
+    for name, role in job.inference_roles().items():
+        # a colocated engine must give its memory back (a static model keeps a backup)
+        required = ["enable_memory_saver"] + ["enable_weights_cpu_backup"] * (name != "rollout")
+        refused = [flag for flag in required if role.engine.get(flag, True) is not True]
+        if refused:
+            problems.append(
+                f"{name}.engine sets {', '.join(refused)} off, but placement.mode={mode} needs "
+                "it: engines release their memory between phases. Remove it from the engine "
+                "section (or use placement.mode=decoupled)."
+            )
     if job.trainer.ranks is not None:
         problems.append(
             f"trainer.ranks is set but placement.mode={mode} puts the trainer on every rank: "

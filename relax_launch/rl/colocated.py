@@ -39,8 +39,6 @@ from relax_launch.rl.loop import (
 from relax_launch.rl.samples import Sample
 from relax_launch.runtime.lifecycle import TRAINER, LeaseError, LifecycleCoordinator
 
-COMMIT_WAIT_S = 60.0  # the commit happens on this thread just before: the gate opens at once
-
 
 class PhaseError(RuntimeError):
     """A phase of a colocated step failed; the message names the phase, role and ranks."""
@@ -155,8 +153,7 @@ def run_batch(
     except BaseException as exc:
         coordinator.fail_batch(batch, str(exc))
         raise
-    coordinator.wait_committed(batch, COMMIT_WAIT_S)  # the commit gate of the train step
-    turns.take("trainer")
+    turns.take("trainer")  # only a committed batch is trained on
     return turns
 
 
@@ -169,6 +166,7 @@ class RLBatchWork:
     seconds: dict[str, float]
     samples: list[Sample] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    rewarded: bool = False  # the genrm's turn scored every reward source
     batch: RolloutBatch | None = None
 
     def sync(self) -> None:
@@ -184,9 +182,10 @@ class RLBatchWork:
             score_teacher(self.ctx, self.samples, self.seconds)
         else:  # the genrm judges inside the reward sources
             self.metrics |= score_rewards(self.ctx, self.samples, self.seconds)
+            self.rewarded = True
 
     def finish(self) -> None:
-        if "reward" not in self.seconds:  # no genrm: function rewards need no lease
+        if not self.rewarded:  # no genrm: function rewards need no lease
             self.metrics |= score_rewards(self.ctx, self.samples, self.seconds)
         self.batch = finish_batch(self.ctx, self.samples, self.metrics, self.seconds, self.cursor)
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.runtime.lifecycle import TRAINER, LifecycleCoordinator
 from relax_launch.runtime.session import Session
+from relax_launch.trainer.offload import PARTS
 
-TRAINER_PARTS = ("params", "grads", "optimizer")
 # An engine's parts and the SGLang memory tags behind each (graphs go with the KV cache).
 ENGINE_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 # The weight sync is the one moment two roles share a rank: the policy's two copies meet.
@@ -33,11 +34,11 @@ def build_coordinator(
     coordinator.register(
         TRAINER,
         ranks=plan.trainer.ranks,
-        parts=TRAINER_PARTS,
+        parts=PARTS,
         onload=session.trainer.onload,
         offload=session.trainer.offload,
         inference=False,
-        resident=TRAINER_PARTS,
+        resident=PARTS,
     )
     managers = session.control_plane.managers if session.control_plane else {}
     for role, manager in managers.items():
@@ -67,29 +68,28 @@ class EngineMoves:
 
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         tags = _tags(parts)
-        moving = {e.engine_id: set(tags) - e.loaded for e in self.manager.engines}
+        moving = [(e, set(tags) - e.loaded) for e in self.manager.engines]
         self.manager.onload(tags)
         return {"bytes": self._bytes(moving)}
 
     def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
         tags = _tags(parts)
-        moving = {e.engine_id: set(tags) & e.loaded for e in self.manager.engines}
+        moving = [(e, set(tags) & e.loaded) for e in self.manager.engines]
         self.manager.offload(tags)
         return {"bytes": self._bytes(moving)}
 
-    def _bytes(self, moving: dict[str, set[str]]) -> float:
-        return sum(self._size(engine)[tag] for engine in moving for tag in moving[engine])
+    def _bytes(self, moving: list[tuple[EngineHandle, set[str]]]) -> float:
+        return sum(self._size(engine)[tag] for engine, tags in moving for tag in tags)
 
-    def _size(self, engine_id: str) -> dict[str, float]:
-        if engine_id not in self.sizes:
-            engine = next(e for e in self.manager.engines if e.engine_id == engine_id)
+    def _size(self, engine: EngineHandle) -> dict[str, float]:
+        if engine.engine_id not in self.sizes:
             usage = engine.info("/get_server_info")["internal_states"][0]["memory_usage"]
-            self.sizes[engine_id] = {
+            self.sizes[engine.engine_id] = {
                 "weights": usage["weight"] * 1e9,
                 "kv_cache": usage["kvcache"] * 1e9,
                 "cuda_graph": sum(usage["graph"].values()) * 1e9,
             }
-        return self.sizes[engine_id]
+        return self.sizes[engine.engine_id]
 
 
 def _tags(parts: tuple[str, ...]) -> list[str]:

@@ -131,6 +131,14 @@ CASES = {
         ],
         ["algorithm.off_policy_steps=1", "placement.mode=defer cannot"],
     ),
+    "defer with an engine that would keep its memory": (
+        ["placement.mode=defer", "trainer.ranks=null", "rollout.engine.enable_memory_saver=false"],
+        ["rollout.engine sets enable_memory_saver off", "placement.mode=defer needs it"],
+    ),
+    "an operation timeout in decoupled mode": (
+        ["placement.operation_timeout_s=30"],
+        ["placement.operation_timeout_s", "decoupled has none: remove it"],
+    ),
     "colocated trainer.ranks set": (
         ["placement.mode=split"],
         ["remove trainer.ranks"],

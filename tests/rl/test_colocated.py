@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from relax_launch.rl.colocated import PhaseError, run_batch
-from relax_launch.runtime.colocation import SYNC_WINDOW, TRAINER_PARTS
+from relax_launch.runtime.colocation import SYNC_WINDOW
 from relax_launch.runtime.lifecycle import BatchFailed, LeaseError, LifecycleCoordinator
+from relax_launch.trainer.offload import PARTS
 
 ENGINE_PARTS = ("weights", "kv_cache")
 
@@ -55,11 +56,11 @@ def coordinator(layout: dict[str, tuple[int, ...]], broken: str = "") -> Lifecyc
         coord.register(
             role,
             ranks=ranks,
-            parts=TRAINER_PARTS if trainer else ENGINE_PARTS,
+            parts=PARTS if trainer else ENGINE_PARTS,
             onload=op(role, "onload"),
             offload=op(role, "offload"),
             inference=not trainer,
-            resident=TRAINER_PARTS if trainer else (),
+            resident=PARTS if trainer else (),
         )
     return coord
 
@@ -81,7 +82,7 @@ def test_deferred_writeback_precedes_commit_and_never_overlaps():
     events = [(e["event"], e.get("role")) for e in coord.events]
     assert events.index(("confirm", "genrm")) < events.index(("commit", None))
     assert events[-1] == ("confirm", "trainer")  # the trainer gets its ranks back last
-    assert coord.state()["trainer"]["resident"] == sorted(TRAINER_PARTS)
+    assert coord.state()["trainer"]["resident"] == sorted(PARTS)
     assert turns.moved["trainer_offloaded"] == 20.0  # grads+optimizer, then params: 10 each
     assert turns.moved["engines_offloaded"] == 30.0 and "onload_teacher" in turns.seconds
 
