@@ -13,6 +13,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from relax_launch.models.registry import BUILTIN_MODELS, builtin_name, model_dir
 
@@ -55,19 +56,69 @@ def ensure_model(ref: str) -> Path:
     return path
 
 
-def build_tiny_llama(out: Path, seed: int = 0) -> None:
-    """A 2-layer random Llama (hidden 64, vocab 320) and a locally trained BPE tokenizer."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def build_tiny_llama(out: Path, seed: int = 0, **config: Any) -> None:
+    """A 2-layer random Llama (hidden 64, vocab 320) and a locally trained BPE tokenizer;
+    ``config`` overrides LlamaConfig fields (e.g. ``rope_scaling``)."""
+    _build_tiny(out, "tiny-llama", seed, tie_word_embeddings=False, **config)
 
-    facts = BUILTIN_MODELS["tiny-llama"]
+
+def build_tiny_qwen2(out: Path, seed: int = 0) -> None:
+    """A 2-layer random Qwen2 (q/k/v biases, tied embeddings), Qwen2.5's shape in miniature."""
+    _build_tiny(out, "tiny-qwen2", seed, tie_word_embeddings=True)
+
+
+def build_tiny_qwen3(out: Path, seed: int = 0) -> None:
+    """A 2-layer random Qwen3: q/k RMSNorm and a head_dim (32) that is not hidden / heads."""
+    _build_tiny(out, "tiny-qwen3", seed, tie_word_embeddings=False, head_dim=32)
+
+
+def _build_tiny(out: Path, name: str, seed: int, **config: Any) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    facts = BUILTIN_MODELS[name]
+    fast = _tiny_tokenizer(facts.vocab_size)
+    fast.save_pretrained(out)
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
+        facts.architecture, "qwen3"
+    )
+    hf_config = AutoConfig.for_model(
+        model_type,
+        vocab_size=facts.vocab_size,
+        hidden_size=facts.hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=facts.num_layers,
+        num_attention_heads=facts.num_attention_heads,
+        num_key_value_heads=facts.num_key_value_heads,
+        max_position_embeddings=1024,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        torch_dtype="float32",
+        **config,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    if name != "tiny-llama":  # init leaves biases at 0 and norms at 1: a dropped one would not show
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("bias") or "norm" in param_name:
+                    param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    _require_architectures(out, facts.architecture)
+
+
+def _tiny_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences in well under a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=facts.vocab_size,
+        vocab_size=vocab_size,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -80,24 +131,7 @@ def build_tiny_llama(out: Path, seed: int = 0) -> None:
         pad_token="<pad>",
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=facts.vocab_size,
-        hidden_size=facts.hidden_size,
-        intermediate_size=128,
-        num_hidden_layers=facts.num_layers,
-        num_attention_heads=facts.num_attention_heads,
-        num_key_value_heads=facts.num_key_value_heads,
-        max_position_embeddings=1024,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    _require_architectures(out, "LlamaForCausalLM")
+    return fast
 
 
 def build_smollm2(out: Path) -> None:
@@ -158,6 +192,8 @@ def _require_architectures(out: Path, architecture: str) -> None:
 
 BUILDERS = {
     "tiny-llama": build_tiny_llama,
+    "tiny-qwen2": build_tiny_qwen2,
+    "tiny-qwen3": build_tiny_qwen3,
     "smollm2-135m-instruct": build_smollm2,
     "smollm2-student": build_smollm2_student,
 }

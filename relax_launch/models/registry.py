@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
@@ -23,7 +23,14 @@ class ModelFacts:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
-    has_architectures: bool = True
+    architecture: str = "LlamaForCausalLM"  # config.json's "architectures"[0]; "" when missing
+    rope_type: str = "default"  # config.json's rope scaling type
+    # Why the trainer cannot convert this model (``trainable_problem``); None when it can.
+    not_trainable: str | None = field(default=None, compare=False)
+
+    @property
+    def has_architectures(self) -> bool:
+        return bool(self.architecture)
 
 
 BUILTIN_MODELS = {
@@ -49,7 +56,30 @@ BUILTIN_MODELS = {
         num_key_value_heads=2,
         vocab_size=320,
     ),
+    # Qwen2.5's shape in miniature: q/k/v biases, tied embeddings.
+    "tiny-qwen2": ModelFacts(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        architecture="Qwen2ForCausalLM",
+    ),
+    # Qwen3's: q/k RMSNorm, no biases, head_dim (32) != hidden_size / heads (16).
+    "tiny-qwen3": ModelFacts(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        architecture="Qwen3ForCausalLM",
+    ),
 }
+# What the trainer converts to Megatron-core and syncs back (trainer/hf_conversion.py); engines
+# that only serve (teacher, genrm) take any architecture SGLang runs.
+TRAINABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# RoPE variants that change only the rotary frequencies (trainer/model.py applies them).
+TRAINABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def cache_dir() -> Path:
@@ -84,5 +114,40 @@ def model_facts(ref: str) -> ModelFacts | None:
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         vocab_size=cfg.get("vocab_size", 0),
-        has_architectures=bool(cfg.get("architectures")),
+        architecture=(cfg.get("architectures") or [""])[0],
+        rope_type=rope_type(cfg),
+        not_trainable=trainable_problem(cfg),
     )
+
+
+def rope_type(cfg: dict) -> str:
+    """The RoPE scaling type a Hugging Face config.json names (transformers' older
+    ``rope_scaling`` or newer ``rope_parameters``; "type" is the older key of "rope_type")."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def trainable_problem(cfg: dict) -> str | None:
+    """Why the trainer cannot convert the model of Hugging Face ``cfg`` exactly, or None.
+
+    Refused rather than approximated: a part the conversion does not map would be dropped
+    silently (biases, sliding windows) or change the model's outputs (RoPE variants).
+    """
+    architecture = (cfg.get("architectures") or ["(none)"])[0]
+    if architecture not in TRAINABLE_ARCHITECTURES:
+        return (
+            f"architecture {architecture} is not one the trainer converts to Megatron-core; "
+            f"supported: {', '.join(TRAINABLE_ARCHITECTURES)}"
+        )
+    rope = rope_type(cfg)
+    if rope not in TRAINABLE_ROPE_TYPES:
+        return (
+            f"RoPE scaling {rope!r} is not supported by the trainer; supported: "
+            f"{', '.join(TRAINABLE_ROPE_TYPES)}"
+        )
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if cfg.get(flag):
+            return f"{architecture} with {flag}=true is not supported by the trainer's conversion"
+    if cfg.get("hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg['hidden_act']!r} is not supported (the trainer uses SwiGLU/silu)"
+    return None

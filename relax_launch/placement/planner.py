@@ -140,6 +140,14 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
         if role is None:
             continue
         width = role.ranks_per_engine
+        if name == "rollout" and role.pp_size > 1:
+            raise ConfigError(
+                f"rollout.pp_size={role.pp_size}: weight sync updates tensor-parallel rollout "
+                "engines only (each engine rank must hold whole layers' shards of every stage): "
+                "set rollout.pp_size=1 and use rollout.tp_size / ranks_per_engine instead. "
+                "Teacher and genrm engines, which are never synced, may use pp_size > 1.",
+                ("rollout.pp_size",),
+            )
         if role.ranks % width:
             raise ConfigError(
                 f"{name}.ranks={role.ranks} is not a multiple of {name}.ranks_per_engine={width}:"

@@ -83,6 +83,12 @@ def _facts_or_problem(role: str, ref: str, require: bool) -> ModelFacts | str:
 def _check_trainer_fits(job: JobConfig, facts: ModelFacts | None) -> None:
     if facts is None:
         return
+    if facts.not_trainable:
+        raise ConfigError(
+            f"trainer.model={job.trainer.model!r}: {facts.not_trainable}. Train a model of a "
+            "supported family; teacher and genrm engines may serve any model SGLang runs.",
+            ("trainer.model",),
+        )
     tp, pp = job.trainer.tp_size, job.trainer.pp_size
     if facts.num_attention_heads % tp or facts.num_key_value_heads % tp:
         raise ConfigError(

@@ -57,9 +57,24 @@ def sglang_server_args(device: Device) -> list[str]:
     return []
 
 
-def prepare_megatron(device: Device) -> None:
-    """Call before building Megatron-core objects: redirects its CUDA calls on the CPU."""
-    if device == "cpu":
+def bind_device(device: Device, local_rank: int) -> None:
+    """Call first, before torch.distributed or any allocation: on GPUs each rank owns the GPU of
+    its local rank (NCCL communicators and CUDA tensors are then created there, not on GPU 0)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)
+
+
+def prepare_megatron(device: Device, seed: int = 0, tp_rank: int = 0) -> None:
+    """Call before building Megatron-core objects: seeds Megatron's model-parallel RNG states on
+    GPUs (its layers fork them: the same stream across data parallelism, one per TP rank), and
+    redirects its CUDA calls on the CPU."""
+    if device == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
+    else:
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
         from relax_launch.platform.cpu import redirect_megatron_to_cpu

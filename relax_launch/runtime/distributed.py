@@ -26,6 +26,7 @@ class PlanMismatchError(RuntimeError):
 
 def init_distributed(device: platform.Device, timeout_s: float) -> dist.Store:
     """Join the default group and return a store for control traffic (a prefix of torchrun's)."""
+    platform.bind_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(platform.dist_backend(device), timeout=timedelta(seconds=timeout_s))
     # torchrun sets this so later tcp:// rendezvous become store clients: SGLang's own process
     # group and the weight-sync groups would then wait forever for a server.

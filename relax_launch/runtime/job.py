@@ -139,7 +139,8 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
                 )
         pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
         if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
-            platform.prepare_megatron(job.cluster.device)
+            tp_rank = pgc.tp.rank() if pgc is not None else 0
+            platform.prepare_megatron(job.cluster.device, job.trainer.seed, tp_rank)
         shards = ShardChannel(
             plan.trainer,
             rank,

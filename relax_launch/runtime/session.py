@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rich.console import Console
@@ -240,16 +240,16 @@ class Session:
         self, replica0: list[int], deadline: Deadline, weight_version: int
     ) -> dict[int, Any]:
         try:
-            left = deadline.left("sending")
-            return self._call(SendWeights(weight_version, left), replica0, left + REPLY_MARGIN_S)
+            return self._stage_by_stage(
+                lambda left: SendWeights(weight_version, left), replica0, deadline, "sending"
+            )
         except (RemoteError, RuntimeError) as cause:
             failed = f"weight sync to version {weight_version} failed ({cause})"
             previous = self.weight_version
             try:
-                left = deadline.left("restoring") if previous is not None else 0.0
                 restored = previous is not None and any(
-                    self._call(
-                        RestoreWeights(previous, left), replica0, left + REPLY_MARGIN_S
+                    self._stage_by_stage(
+                        lambda left: RestoreWeights(previous, left), replica0, deadline, "restoring"
                     ).values()
                 )
             except (RemoteError, RuntimeError) as again:
@@ -260,6 +260,24 @@ class Session:
             if not restored:
                 raise WeightSyncError(f"{failed}; no earlier version to restore") from cause
             raise WeightSyncError(f"{failed}; engines restored to version {previous}") from cause
+
+    def _stage_by_stage(
+        self,
+        command: Callable[[float], Command],
+        replica0: list[int],
+        deadline: Deadline,
+        what: str,
+    ) -> dict[int, Any]:
+        """Run a weight command (built with the seconds left) on one pipeline stage after the
+        other. An engine serves one update request at a time and every stage's broadcast group
+        spans every engine, so two stages sending at once could each hold an engine the other
+        one waits for; in turn, the engines take the stages in the same order."""
+        replies: dict[int, Any] = {}
+        for stage in range(self.plan.trainer.pp_size):
+            ranks = [r for r in replica0 if self.plan.trainer.coordinates(r)[2] == stage]
+            left = deadline.left(what)
+            replies.update(self._call(command(left), ranks, left + REPLY_MARGIN_S))
+        return replies
 
     def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
         return self.trainer.train_step(batch, spec)

@@ -13,8 +13,8 @@ class TrainerConfig(Section):
     """The policy being trained, and how it is parallelised over the trainer ranks."""
 
     model: str = Field(
-        description="Policy model: a Hugging Face model directory, or builtin:NAME "
-        "(builtin:smollm2-135m-instruct, builtin:tiny-llama)."
+        description="Policy model: a Hugging Face model directory (Llama, Qwen2 or Qwen3 "
+        "family), or builtin:NAME (smollm2-135m-instruct, tiny-llama, tiny-qwen2, tiny-qwen3)."
     )
     ranks: int | None = Field(
         None,

@@ -1,4 +1,5 @@
-"""Build the Megatron-core GPT for a Hugging Face Llama checkpoint, load it, and its optimizer.
+"""Build the Megatron-core GPT for a Hugging Face Llama/Qwen checkpoint, load it, and its
+optimizer.
 
 Everything takes the trainer's ProcessGroupCollection (``runtime/groups.py``): Megatron's global
 ``parallel_state`` groups are never initialised, because they would span inference ranks too.
@@ -17,17 +18,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from relax_launch.trainer.config import TrainerConfig
-from relax_launch.trainer.hf_conversion import LlamaShape, hf_to_megatron
+from relax_launch.trainer.hf_conversion import ModelShape, check_checkpoint, hf_to_megatron
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def read_shape(model_dir: Path) -> LlamaShape:
-    return LlamaShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+def read_shape(model_dir: Path) -> ModelShape:
+    """The shape of the HF model in ``model_dir``; a ValueError naming the directory when the
+    trainer cannot convert it."""
+    try:
+        return ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    except ValueError as error:
+        raise ValueError(f"{model_dir}: {error}") from None
 
 
-def transformer_config(shape: LlamaShape, section: TrainerConfig) -> Any:
-    """Megatron's TransformerConfig for a Llama of ``shape`` under ``section``'s parallelism."""
+def transformer_config(shape: ModelShape, section: TrainerConfig) -> Any:
+    """Megatron's TransformerConfig for a model of ``shape`` under ``section``'s parallelism.
+
+    The loss is per token (``calculate_per_token_loss``): each micro-batch returns its loss sum
+    and token count, and the gradients are divided by the global batch's token count, so the
+    result does not depend on micro-batching or data parallelism.
+    """
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[section.dtype]
@@ -43,6 +54,9 @@ def transformer_config(shape: LlamaShape, section: TrainerConfig) -> Any:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        calculate_per_token_loss=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -59,7 +73,9 @@ def transformer_config(shape: LlamaShape, section: TrainerConfig) -> Any:
     return config
 
 
-def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) -> Any:
+def build_gpt(
+    shape: ModelShape, section: TrainerConfig, pgc: Any, device: str, model_dir: Path
+) -> Any:
     """A DDP-wrapped GPTModel for this rank's pipeline stage, on torch ``device``."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -67,13 +83,16 @@ def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) 
         finalize_model_grads,
     )
 
-    model = build_gpt_module(shape, section, pgc, device)
+    model = build_gpt_module(shape, section, pgc, device, model_dir)
     ddp = DistributedDataParallel(
         config=model.config,
         module=model,
         pg_collection=pgc,
         ddp_config=DistributedDataParallelConfig(
-            overlap_grad_reduce=False, use_distributed_optimizer=False
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=False,
+            # bf16 gradients summed over many ranks lose the small ones: reduce in fp32.
+            grad_reduce_in_fp32=section.dtype == "bfloat16",
         ),
     )
     model.config.finalize_model_grads_func = finalize_model_grads  # DP all-reduce, tied embeddings
@@ -81,7 +100,9 @@ def build_gpt(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) 
     return ddp
 
 
-def build_gpt_module(shape: LlamaShape, section: TrainerConfig, pgc: Any, device: str) -> Any:
+def build_gpt_module(
+    shape: ModelShape, section: TrainerConfig, pgc: Any, device: str, model_dir: Path
+) -> Any:
     """The bare GPTModel of this rank's pipeline stage (no DDP), on torch ``device``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -93,7 +114,9 @@ def build_gpt_module(shape: LlamaShape, section: TrainerConfig, pgc: Any, device
     config = transformer_config(shape, section)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=shape.qk_norm
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type="rope",
@@ -103,16 +126,35 @@ def build_gpt_module(shape: LlamaShape, section: TrainerConfig, pgc: Any, device
         post_process=is_pp_last_stage(pgc.pp),
         pg_collection=pgc,
     )
+    if shape.rope_type != "default":
+        model.rotary_pos_emb.inv_freq = scaled_rope_frequencies(model_dir)
     return model.to(device)  # built on the CPU (use_cpu_initialization)
 
 
-def load_hf_checkpoint(module: Any, model_dir: Path, shape: LlamaShape, pgc: Any) -> None:
+def scaled_rope_frequencies(model_dir: Path) -> torch.Tensor:
+    """The rotary inverse frequencies of a scaled RoPE (linear, llama3), computed by transformers
+    from the model's own config, exactly as the Hugging Face model and the engines use them."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(model_dir)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config)
+    if attention_factor != 1.0:  # preflight admits only types that leave attention unscaled
+        raise ValueError(f"{model_dir}: RoPE attention factor {attention_factor} is not supported")
+    return inv_freq.float()
+
+
+def load_hf_checkpoint(module: Any, model_dir: Path, shape: ModelShape, pgc: Any) -> None:
     """Load this rank's shard of the HF safetensors in ``model_dir`` into the bare GPTModel."""
     from safetensors.torch import load_file
 
     hf: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         hf.update(load_file(str(path)))
+    try:
+        check_checkpoint(hf, shape)
+    except ValueError as error:
+        raise ValueError(f"{model_dir}: {error}") from None
     shard = hf_to_megatron(
         hf,
         shape,

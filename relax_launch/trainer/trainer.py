@@ -21,7 +21,7 @@ from relax_launch import platform
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
-from relax_launch.trainer.losses import LossSpec, policy_loss
+from relax_launch.trainer.losses import LossSpec, likelihood_loss, policy_loss
 from relax_launch.trainer.model import (
     build_gpt,
     build_gpt_module,
@@ -52,11 +52,13 @@ class Trainer:
         self.shape = read_shape(model_dir)
         torch.manual_seed(section.seed)
         self.torch_device = platform.torch_device(device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.model = build_gpt(self.shape, section, pgc, self.torch_device)
+        self.model = build_gpt(self.shape, section, pgc, self.torch_device, model_dir)
         load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
         self.reference = None
         if reference:
-            self.reference = build_gpt_module(self.shape, section, pgc, self.torch_device)
+            self.reference = build_gpt_module(
+                self.shape, section, pgc, self.torch_device, model_dir
+            )
             self.reference.load_state_dict(self.model.module.state_dict())  # no second read
             self.reference.requires_grad_(False).eval()
         self.optimizer = build_optimizer(self.model, section, pgc)
@@ -86,12 +88,13 @@ class Trainer:
         return self.offloader.resident(part)
 
     def train_step(self, shard: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
-        """One optimizer step on this DP rank's ``shard`` (gradients are averaged over DP ranks):
-        PPO-clip (``spec``) when the batch has old logprobs, else
-        -sum(weight * mask * logprob) / sum(mask) per micro-batch.
+        """One optimizer step on this DP rank's ``shard``: PPO-clip (``spec``) when the batch
+        has old logprobs, else -sum(weight * mask * logprob) / sum(mask), both over the batch
+        as a whole (every micro-batch of every DP rank; see ``micro_batch_loss``).
 
-        Returns the grad norm, and on the last pipeline stage the mean micro-batch loss (and,
-        for PPO, the clipped fraction and approximate KL to the sampling policy).
+        Returns the grad norm, and on the last pipeline stage the global batch's loss (and, for
+        PPO, the clipped fraction, the approximate KL to the sampling policy and to the
+        reference).
         """
         self.offloader.require("train_step", PARTS)
         spec = spec or LossSpec()
@@ -107,9 +110,21 @@ class Trainer:
         self.step += 1
         metrics = {"grad_norm": float(grad_norm or 0.0)}
         if self.is_last_stage:  # the loss exists only where the logits are
-            for key in ("loss", "clip_fraction", "approx_kl", "kl_ref"):
-                if key in outputs[0]:
-                    metrics[key] = sum(float(o[key]) for o in outputs) / len(outputs)
+            metrics.update(self._batch_metrics(outputs))
+        return metrics
+
+    def _batch_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The global batch's loss and per-token diagnostics, from every micro-batch's sums on
+        every data-parallel rank."""
+        summed = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "kl_ref")
+        keys = [k for k in summed if k in outputs[0]]
+        totals = torch.stack([sum(o[k].float() for o in outputs) for k in keys])
+        dist.all_reduce(totals, group=self.pgc.dp)
+        total = dict(zip(keys, totals.tolist(), strict=True))
+        tokens = max(total["tokens"], 1.0)
+        metrics = {"loss": total["loss_sum"] / max(total["count"], 1.0)}
+        names = {"clipped": "clip_fraction", "approx_kl": "approx_kl", "kl_ref": "kl_ref"}
+        metrics.update({names[k]: total[k] / tokens for k in keys if k in names})
         return metrics
 
     @property
@@ -267,31 +282,48 @@ class Trainer:
         return manifest
 
 
+def step_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The model's inputs for one micro-batch: token ids, positions and the causal mask, all on
+    the device of the batch's tensors (the model's)."""
+    inputs = batch["inputs"]
+    seq = inputs.shape[1]
+    positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=inputs.device).triu(1)[None, None]
+    return inputs, positions, causal
+
+
+def micro_batch_loss(
+    batch: dict[str, torch.Tensor], logprobs: torch.Tensor, spec: LossSpec
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss sum, count, detached token sums) of one micro-batch: PPO-clip when it has old
+    logprobs, else weighted likelihood. Megatron adds the sums and counts over micro-batches and
+    data-parallel ranks and divides once (``calculate_per_token_loss``)."""
+    mask = batch["mask"]
+    if "old_logprobs" not in batch:
+        loss_sum, count = likelihood_loss(logprobs, batch["weights"], mask)
+        return loss_sum, count, {"tokens": mask.sum()}
+    return policy_loss(
+        logprobs,
+        batch["old_logprobs"],
+        batch["weights"],
+        mask,
+        spec,
+        ref_logprobs=batch.get("ref_logprobs"),
+    )
+
+
 def _forward_step(
     data_iterator: Iterator[dict[str, torch.Tensor]], model: Any, spec: LossSpec
 ) -> tuple[Any, Any]:
     batch = next(data_iterator)
-    seq = batch["inputs"].shape[1]
-    positions = torch.arange(seq).unsqueeze(0).expand_as(batch["inputs"])
-    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
-    token_loss = model(batch["inputs"], positions, causal, labels=batch["targets"])  # -logprob
+    token_loss = model(*step_inputs(batch), labels=batch["targets"])  # -logprob
 
-    def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         logprobs = -output.float()
-        mask, extra = batch["mask"], {}
-        if "old_logprobs" in batch:
-            loss, extra = policy_loss(
-                logprobs,
-                batch["old_logprobs"],
-                batch["weights"],
-                mask,
-                spec,
-                ref_logprobs=batch.get("ref_logprobs"),
-            )
-        else:
-            loss = -(batch["weights"] * mask * logprobs).sum() / mask.sum().clamp(min=1.0)
-        # clone: the schedule divides the returned loss in place by the micro-batch count
-        report = {"loss": loss.detach().clone(), "logprobs": logprobs.detach()}
-        return loss, {**report, **{k: v.detach().clone() for k, v in extra.items()}}
+        loss_sum, count, sums = micro_batch_loss(batch, logprobs, spec)
+        report = {"loss_sum": loss_sum.detach().clone(), "count": count.detach().clone()}
+        report.update(sums, logprobs=logprobs.detach())
+        # Megatron sums the counts in an int tensor: a sequence count is whole, a token count too
+        return loss_sum, count.round().int(), report
 
     return token_loss, loss_fn

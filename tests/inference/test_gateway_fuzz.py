@@ -40,6 +40,7 @@ def bound_generation(body: object) -> None:
             holder[key] = cap
 
 
+@pytest.mark.slow
 def test_no_undocumented_server_error(gateway_url):
     schema = schemathesis.openapi.from_url(f"{gateway_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -65,6 +65,10 @@ CASES = {
         ["rollout", "must equal ranks_per_engine=2"],
     ),
     "engine PP does not divide its width": (["rollout.pp_size=2"], ["pp_size=2 does not divide"]),
+    "pipeline-parallel rollout engines": (
+        ["rollout.ranks_per_engine=2", "rollout.pp_size=2", "rollout.ranks=2"],
+        ["rollout.pp_size=2", "weight sync updates tensor-parallel rollout engines only"],
+    ),
     "ranks not divisible by ranks_per_engine": (
         ["trainer.ranks=1", "rollout.ranks=3", "rollout.ranks_per_engine=2"],
         ["rollout.ranks=3 is not a multiple of rollout.ranks_per_engine=2"],
@@ -278,6 +282,28 @@ def test_model_without_architectures_is_rejected(tmp_path):
     )
     with pytest.raises(ConfigError, match="no 'architectures' entry"):
         check([f"trainer.model={tmp_path}"])
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"architectures": ["MixtralForCausalLM"]}, "architecture MixtralForCausalLM is not one"),
+        ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"type": "yarn"}}, "'yarn'"),
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "sliding_window"),
+    ],
+)
+def test_a_trainer_model_the_conversion_cannot_map_is_refused_before_any_process(
+    tmp_path, config, named
+):
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 320}
+    (tmp_path / "config.json").write_text(json.dumps({**shape, **config}))
+    with pytest.raises(ConfigError) as info:
+        check([f"trainer.model={tmp_path}"])
+    assert named in str(info.value) and "trainer.model" in str(info.value)
+    assert "supported" in str(info.value)
+    # a teacher is only served, never converted: any architecture SGLang runs
+    check(TEACHER[1:] + [f"teacher.model={tmp_path}", "rollout.ranks=1", "teacher.ranks=1",
+                         "algorithm.distill_coef=0.1"])  # fmt: skip
 
 
 def test_rejections_are_many_and_distinct():

@@ -40,6 +40,7 @@ def scratch_dirs() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("relax-memory-saver-*"))
 
 
+@pytest.mark.slow
 def test_defer_job_takes_turns_and_trains(tmp_path):
     before = scratch_dirs()
     steps = run_job(HERE / "defer_tiny.yaml", tmp_path)

@@ -57,8 +57,11 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
 
 
 def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
+    """Also: a trainer with PP=2 syncs each step into two rollout engines (its stages' broadcast
+    groups each span both engines, so they must not send at once)."""
     config = Path(__file__).parent / "off_policy_kl_tiny.yaml"
-    result = run_tiny(config, f"logging.dir={tmp_path}")
+    two_engines = ["cluster.nproc_per_node=4", "rollout.ranks=2"]
+    result = run_tiny(config, f"logging.dir={tmp_path}", *two_engines)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # step k+1's samples were generated with step k's weights, while step k trained
@@ -71,7 +74,8 @@ def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
     assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert steps[-1]["kl_ref"] > 1e-4
     assert "stale 1" in result.stdout and "KL-ref" in result.stdout
-    assert_calm_console(result, tmp_path, ranks=3, steps=3)
+    assert "rollout x2" in result.stdout
+    assert_calm_console(result, tmp_path, ranks=4, steps=3)
     # the default logging.level=info: the ranks log at INFO
     assert "INFO [rank 0 " in (tmp_path / "rank0.log").read_text()
 
@@ -103,6 +107,7 @@ def run_tiny(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_checkpoints_and_resume_continue_the_run(tmp_path):
     config = Path(__file__).parent / "off_policy_kl_tiny.yaml"
     ckpt = tmp_path / "ckpt"

@@ -51,16 +51,23 @@ def test_distill_advantages_by_hand():
         distill_advantages([-1.0, -3.0], [-2.0], 0.5)
 
 
+def mean_loss(*args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """policy_loss as one micro-batch's mean, and its diagnostics per token."""
+    loss_sum, count, sums = policy_loss(*args, **kwargs)
+    tokens = sums.pop("tokens")
+    return loss_sum / count, {k: v / tokens for k, v in sums.items()}
+
+
 def test_ppo_clip_loss_by_hand():
     logprobs = torch.tensor([[0.0, math.log(1.5), math.log(0.5)]])
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, 1.0, -1.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0]])
-    loss, extra = policy_loss(logprobs, old, adv, mask, LossSpec(0.2, 0.2, "token"))
+    loss, extra = mean_loss(logprobs, old, adv, mask, LossSpec(0.2, 0.2, "token"))
     # token 1: ratio 1.5, A=1 -> -min(1.5, 1.2) = -1.2; token 2: ratio 0.5, A=-1 ->
     # -min(-0.5, -0.8) = 0.8; mean over the 2 masked tokens = -0.2
     assert float(loss) == pytest.approx(-0.2)
-    assert float(extra["clip_fraction"]) == pytest.approx(1.0)
+    assert float(extra["clipped"]) == pytest.approx(1.0)
     # approx KL = mean(old - new) = -(log 1.5 + log 0.5) / 2
     assert float(extra["approx_kl"]) == pytest.approx(-(math.log(1.5) + math.log(0.5)) / 2)
 
@@ -68,7 +75,7 @@ def test_ppo_clip_loss_by_hand():
 def test_on_policy_gradient_is_advantage_times_score():
     logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     adv = torch.tensor([[2.0, -1.0]])
-    loss, _ = policy_loss(logprobs, logprobs.detach(), adv, torch.ones(1, 2), LossSpec())
+    loss, _ = mean_loss(logprobs, logprobs.detach(), adv, torch.ones(1, 2), LossSpec())
     loss.backward()
     assert logprobs.grad.tolist()[0] == pytest.approx([-1.0, 0.5])  # -A / tokens
 
@@ -77,10 +84,55 @@ def test_sequence_aggregation_weights_sequences_equally():
     logprobs = torch.zeros(2, 3)
     adv = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    token, _ = policy_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="token"))
-    sequence, _ = policy_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="sequence"))
+    token, _ = mean_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="token"))
+    sequence, _ = mean_loss(logprobs, logprobs, adv, mask, LossSpec(aggregation="sequence"))
     assert float(token) == pytest.approx(-(3 + 4) / 4)
     assert float(sequence) == pytest.approx(-(1 + 4) / 2)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_a_batch_split_anyhow_sums_to_the_same_loss(aggregation):
+    """The sums and counts of any split add up to the whole batch's: what lets the trainer
+    divide once over micro-batches and data-parallel ranks."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(4, 6, generator=generator)
+    old = -torch.rand(4, 6, generator=generator)
+    adv = torch.randn(4, 6, generator=generator)
+    mask = torch.tensor([[1.0] * 6, [1.0, 1.0, 0, 0, 0, 0], [0.0] * 6, [0, 1.0, 1.0, 1.0, 0, 0]])
+    spec = LossSpec(aggregation=aggregation)
+    whole, count, _ = policy_loss(logprobs, old, adv, mask, spec)
+    parts = [
+        policy_loss(logprobs[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], spec)
+        for i in range(4)
+    ]
+    assert float(sum(p[0] for p in parts) / sum(p[1] for p in parts)) == pytest.approx(
+        float(whole / count)
+    )
+    if aggregation == "sequence":  # a mean of per-sequence means, however split
+        return
+    micro_means = [float(p[0] / p[1]) for p in parts if p[1] > 0]  # what a per-micro mean gave
+    assert float(whole / count) != pytest.approx(sum(micro_means) / len(micro_means))
+
+
+def test_extreme_and_masked_log_ratios_stay_finite():
+    """±50 nats between policy, sampler and reference, and garbage (±1e4) on masked positions:
+    the loss and its gradient stay finite, and masked positions contribute nothing."""
+    logprobs = torch.tensor([[-60.0, -1.0, -1.0, 0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-10.0, -51.0, -1.0, -1e4, 1e4]])
+    ref = torch.tensor([[-10.0, 49.0, -51.0, 1e4, -1e4]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0]])
+    spec = LossSpec(kl_coef=1.0)
+    loss_sum, count, sums = policy_loss(logprobs, old, adv, mask, spec, ref)
+    loss_sum.backward()
+    assert torch.isfinite(loss_sum) and all(torch.isfinite(v) for v in sums.values())
+    assert torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0, 3:].tolist() == [0.0, 0.0]
+    assert float(reference_kl(logprobs, ref, mask).max()) <= 10.0
+    masked_out, _, _ = policy_loss(
+        logprobs[:, :3], old[:, :3], adv[:, :3], mask[:, :3], spec, ref[:, :3]
+    )
+    assert float(masked_out) == pytest.approx(float(loss_sum))
 
 
 def test_reference_kl_by_hand():
@@ -90,7 +142,7 @@ def test_reference_kl_by_hand():
     kl = reference_kl(logprobs, ref)
     assert kl.tolist()[0] == pytest.approx([0.0, math.e - 2, math.exp(-2) + 1])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, extra = policy_loss(
+    loss, extra = mean_loss(
         logprobs, logprobs.detach(), torch.zeros(1, 3), mask, LossSpec(kl_coef=0.5), ref
     )
     # advantages 0: the loss is 0.5 * the KL's mean over the 2 masked tokens

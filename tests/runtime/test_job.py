@@ -71,19 +71,27 @@ def assert_no_sglang_left(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "config,engines,transport",
-    [("decoupled_4rank.yaml", 2, "broadcast"), ("split_2rank.yaml", 1, "shared_memory")],
+    "config,engines,transport,model,tensors",
+    [
+        # Qwen2: 2 layers x (fused qkv weight and bias, o, fused gate_up, down, 2 norms) +
+        # embeddings (tied: no lm_head) and the final norm; the trainer has TP=2.
+        ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 16),
+        # Qwen3: 2 layers x (fused qkv, q/k norms, o, fused gate_up, down, 2 norms) +
+        # embeddings, final norm, lm_head; the trainer has DP=2.
+        ("split_2rank.yaml", 1, "shared_memory", "tiny-qwen3", 19),
+    ],
 )
-def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines, transport):
+def test_train_sync_and_engines_serve_new_weights(
+    tmp_path, config, engines, transport, model, tensors
+):
     out = tmp_path / "report.json"
-    process, _ = start("sync", config, out, tmp_path)
+    process, _ = start("sync", config, out, tmp_path, f"trainer.model=builtin:{model}")
     code, output = finish(process, 400)
     assert code == 0, output[-4000:]
     report = json.loads(out.read_text())
     assert report["versions"] == ["1"] * engines
     assert report["weight_changed"] and report["engines_agree"]
-    # 2 layers x (fused qkv, o, fused gate_up, down, 2 norms) + embeddings, final norm, lm_head
-    assert report["sync0"][0]["num_tensors"] == report["sync1"][0]["num_tensors"] == 15
+    assert report["sync0"][0]["num_tensors"] == report["sync1"][0]["num_tensors"] == tensors
     assert report["sync1"][0]["transport"] == transport  # split shares the host: no network
     # The trainer's per-token logprobs equal what the engines compute, before and after a sync.
     assert report["parity_before"] <= PARITY_TOLERANCE
@@ -96,10 +104,12 @@ def test_train_sync_and_engines_serve_new_weights(tmp_path, config, engines, tra
     assert report["gateway_after_sync"]["generate"] == 200
     assert report["gateway_after_sync"]["weight_version"] == "0"
     assert report["gateway_after_sync1"]["weight_version"] == "1"
-    print(f"{config}: logprob parity {report['parity_before']:.2e} / {report['parity_after']:.2e}")
+    parity = f"{report['parity_before']:.2e} / {report['parity_after']:.2e}"
+    print(f"{config} {model}: logprob parity {parity}")
     assert_no_sglang_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_failed_sync_restores_the_previous_weights_and_reports_it(tmp_path):
     out = tmp_path / "report.json"
     process, _ = start("rollback", "decoupled_4rank.yaml", out, tmp_path)
@@ -137,6 +147,7 @@ def test_sigkill_of_an_inference_rank_ends_the_job_naming_it(tmp_path):
     assert_no_sglang_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_rank_stuck_in_a_collective_times_out_naming_rank_role_and_op(tmp_path):
     out = tmp_path / "unused.json"
     process, _ = start(
