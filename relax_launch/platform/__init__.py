@@ -33,6 +33,9 @@ def sglang_env(device: Device, base: dict[str, str] | None = None) -> dict[str, 
     """Environment for an SGLang process (server or Engine) on ``device``."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
+    # Set by torchrun for its ranks' default group; SGLang's own process group would otherwise
+    # wait forever for the agent's store (engines may start before the rank's group exists).
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         paths = [str(STAND_INS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]

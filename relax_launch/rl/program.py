@@ -20,6 +20,7 @@ from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.session import Session, bring_up
+from relax_launch.runtime.startup import write_report
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
@@ -44,7 +45,8 @@ def rl_program(job: JobConfig) -> Any:
         sinks = metric_sinks(job.logging, log_dir, start, job.name, job.model_dump(mode="json"))
         log = MetricsLog(log_dir, resume_step=start, sinks=sinks)
         with contextlib.closing(log):  # on success run() has closed it already
-            bring_up(session, weight_version=start)
+            up = bring_up(session, weight_version=start)
+            write_report(up["startup"], log_dir)
             context = rl_context(job, session, prompts, log, checkpoints, skipped)
             step_fn = rl_step
             if session.plan.mode != "decoupled":  # roles take turns on shared ranks

@@ -26,6 +26,7 @@ from relax_launch.runtime.control import ControlChannel
 from relax_launch.runtime.distributed import ShardChannel, check_same_plan, init_distributed
 from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.session import Session
+from relax_launch.runtime.startup import StartupClock, StartupMarks
 from relax_launch.runtime.workers import EngineWorker, TrainerWorker, node_address
 
 Program = Callable[[Session], Any]
@@ -35,27 +36,42 @@ def role_labels(plan: PlacementPlan) -> dict[int, str]:
     return {r.rank: roles_label(r) for r in plan.ranks}
 
 
-def build_workers(
-    job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any, shards: ShardChannel
-) -> list[Any]:
-    """This rank's engine heads and trainer share. Every engine server is launched first, so
-    the engines load while the trainer builds; then each is waited for (its first token)."""
-    workers: list[Any] = []
-    assignments = plan.ranks[rank].assignments
+def launch_engines(
+    job: JobConfig, plan: PlacementPlan, rank: int, clock: StartupClock
+) -> list[EngineWorker]:
+    """Start the servers of the engines this rank heads; they load while the rank joins the
+    process group and builds the trainer (``build_workers`` waits for them)."""
+    engines: list[EngineWorker] = []
     try:
-        for a in assignments:
+        for a in plan.ranks[rank].assignments:
             if a.is_head:
-                workers.append(engine_worker(job, plan, rank, a.role, a.engine_index))
-                workers[-1].launch()
-        if any(a.role == "trainer" for a in assignments):
-            workers.append(trainer_worker(job, plan, pgc, shards))
-        for worker in workers:
-            if isinstance(worker, EngineWorker):
-                worker.wait_ready(job.cluster.startup_timeout_s)
+                engines.append(engine_worker(job, plan, rank, a.role, a.engine_index))
+                engines[-1].launch()
+                clock.mark(f"{a.role} engine {a.engine_index} launched")
     except BaseException:
-        close_all(workers)
+        close_all(engines)
         raise
-    return workers
+    return engines
+
+
+def build_workers(
+    job: JobConfig,
+    plan: PlacementPlan,
+    rank: int,
+    pgc: Any,
+    shards: ShardChannel,
+    workers: list[Any],
+    clock: StartupClock,
+) -> None:
+    """Add this rank's trainer share, if it has one, to ``workers`` (its launched engines; the
+    caller closes them all), then wait for each engine's first token."""
+    engines = [w for w in workers if isinstance(w, EngineWorker)]
+    if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
+        workers.append(trainer_worker(job, plan, pgc, shards))
+        clock.mark("trainer built")
+    for engine in engines:
+        engine.wait_ready(job.cluster.startup_timeout_s)
+        clock.mark(f"{engine.engine.role} engine {engine.engine.index} ready")
 
 
 def engine_worker(job: JobConfig, plan: PlacementPlan, rank: int, role: str, index: int) -> Any:
@@ -108,6 +124,18 @@ def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | N
     )
 
 
+def start_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | None:
+    """Rank 0's gateway, alive (not ready) while the engines start."""
+    control_plane = build_control_plane(job, plan)
+    if control_plane is not None:
+        control_plane.start()
+        operator_log().info(
+            f"relax-launch: gateway {control_plane.url} is up; starting engines and the trainer "
+            "(it serves once the first weights are synced)"
+        )
+    return control_plane
+
+
 def close_all(workers: list[Any]) -> None:
     for worker in reversed(workers):
         worker.close()
@@ -120,23 +148,21 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
     """Run this rank's part of the job; on rank 0 returns what ``program(session)`` returned."""
     rank = int(os.environ["RANK"])
+    clock = StartupClock()
+    clock.mark("imports and config")
     console = route_rank_output(job.log_dir, rank, job.logging.level, role_labels(plan)[rank])
     # torchrun stops the other ranks with SIGTERM when one fails: exit through the finally
     # blocks below so this rank's engine servers are stopped, not orphaned.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
-    channel = control_plane = None
-    workers: list[Any] = []
+    # Engines start first: their load is the longest part of start-up, and needs no group.
+    workers: list[Any] = launch_engines(job, plan, rank, clock)
+    channel = control_plane = store = None
     try:
+        store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
         check_same_plan(store, plan, rank, job.cluster.collective_timeout_s)
-        if rank == 0:  # alive (not ready) while the engines start
-            control_plane = build_control_plane(job, plan)
-            if control_plane is not None:
-                control_plane.start()
-                operator_log().info(
-                    f"relax-launch: gateway {control_plane.url} is up; starting engines and "
-                    "the trainer (it serves once the first weights are synced)"
-                )
+        clock.mark("process group")
+        if rank == 0:
+            control_plane = start_control_plane(job, plan)
         pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
         if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
             tp_rank = pgc.tp.rank() if pgc is not None else 0
@@ -147,8 +173,9 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
             pgc.mp if pgc is not None else None,
         )
-        workers = build_workers(job, plan, rank, pgc, shards)
+        build_workers(job, plan, rank, pgc, shards, workers, clock)
         handlers = {k: v for w in workers for k, v in w.handlers().items()}
+        handlers[StartupMarks.op] = lambda command: clock.marks
         channel = ControlChannel(
             store, rank=rank, roles=role_labels(plan), timeout_s=job.cluster.collective_timeout_s
         )
@@ -163,6 +190,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             weight_sync_timeout_s=job.weight_sync.timeout_s,
             control_plane=control_plane,
             console=console,
+            startup=clock,
         )
         try:
             return program(session)
@@ -174,4 +202,5 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
         close_all(workers)
         if channel is not None:
             channel.close()
-        dist.destroy_process_group()
+        if store is not None:
+            dist.destroy_process_group()

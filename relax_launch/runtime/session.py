@@ -16,9 +16,18 @@ from rich.console import Console
 
 from relax_launch.inference.control_plane import ControlPlane
 from relax_launch.placement.plan import PlacementPlan, TrainerLayout
+from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.control import Command, ControlChannel, Handler, RemoteError, Shutdown
 from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.runtime.startup import (
+    FIRST_SYNC,
+    SYNC_GROUPS,
+    StartupClock,
+    StartupMarks,
+    startup_report,
+    summary_line,
+)
 from relax_launch.runtime.workers import (
     CommitWeights,
     ConnectWeights,
@@ -137,8 +146,10 @@ class Session:
         weight_sync_timeout_s: float,
         control_plane: ControlPlane | None = None,
         console: Console | None = None,
+        startup: StartupClock | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
+        self.startup = startup or StartupClock()  # rank 0's own start-up phases
         self.console = console or Console()  # rank 0's operator console
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
         self.weight_sync_timeout_s = weight_sync_timeout_s
@@ -291,6 +302,11 @@ class Session:
     def load_trainer(self, directory: str) -> int:
         return self.trainer.load(directory)
 
+    def startup_report(self) -> dict[str, Any]:
+        """Every rank's start-up phases and the critical path, as of now."""
+        marks = self._call(StartupMarks(), range(self.plan.world_size))
+        return startup_report(marks, {r.rank: roles_label(r) for r in self.plan.ranks})
+
     def shutdown(self) -> None:
         self._call(Shutdown(), range(self.plan.world_size), timeout_s=60)
         self.engine_control.close()
@@ -298,13 +314,18 @@ class Session:
 
 def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:
     """Start-up every job shares: engines ready, weight-sync groups formed, the trainer's weights
-    on the rollout engines as ``weight_version`` (the step a resumed run continues from)."""
+    on the rollout engines as ``weight_version`` (the step a resumed run continues from). The
+    summary holds where start-up time went (``runtime/startup.py``)."""
     urls = session.wait_for_engines()
     reports = []
     if "rollout" in urls:
         session.connect_weight_sync()
+        session.startup.mark(SYNC_GROUPS)
         reports = session.sync_weights(weight_version)
+        session.startup.mark(FIRST_SYNC)
+    startup = session.startup_report()
     summary = {"engines": urls, "gateway": session.gateway_url, "weight_sync": reports}
+    summary["startup"] = startup
     engines = ", ".join(f"{role} x{len(u)}" for role, u in urls.items())
     line = f"relax-launch: job is up: engines {engines or 'none'}"
     if session.gateway_url:
@@ -312,5 +333,5 @@ def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:
     if reports:
         seconds = max(r["seconds"] for r in reports)
         line += f"; weights v{weight_version} synced ({reports[0]['transport']}, {seconds:.2f} s)"
-    operator_log().info(line)
+    operator_log().info(f"{line}; {summary_line(startup)}")
     return summary

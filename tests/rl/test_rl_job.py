@@ -40,6 +40,13 @@ def test_rl_job_runs_three_roles_and_syncs_every_step(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert "finished 3 steps" in result.stdout
     assert_calm_console(result, tmp_path, ranks=4, steps=3)
+    # where start-up went: every rank's phases, and the job waited on the last one to finish
+    startup = json.loads((tmp_path / "startup.json").read_text())
+    assert sorted(startup["ranks"]) == ["0", "1", "2", "3"]
+    ends = [p["end_s"] for r in startup["ranks"].values() for p in r["phases"]]
+    assert startup["up_s"] == max(ends) and startup["critical"]["end_s"] <= startup["up_s"]
+    assert any(p["phase"] == "trainer built" for p in startup["ranks"]["0"]["phases"])
+    assert "up in " in result.stdout and "waited on rank" in result.stdout
     # logging.level=warning holds on every rank: only the operator's lines are below it
     for rank in range(4):
         text = (tmp_path / f"rank{rank}.log").read_text()

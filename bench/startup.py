@@ -1,0 +1,87 @@
+"""Benchmark: where a job's start-up goes, against the floor of one bare engine of its model.
+
+Runs ``relax-launch run CONFIG algorithm.num_steps=1`` and times, from the command's start, the
+"job is up" line (the first weight sync done); prints each rank's start-up phases from the
+job's ``startup.json`` (seconds from the first rank process's start) and the critical path.
+Then, on the now quiet machine, starts one bare SGLang server of the rollout model with the
+config's engine arguments and times it to its first token: the floor a job cannot beat. Prints
+time to up / floor.
+
+Run: ``.venv/bin/python bench/startup.py configs/quickstart_cpu.yaml [key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from relax_launch.config import load_config
+from relax_launch.inference.server import SGLangServer
+from relax_launch.models.build import ensure_model
+
+
+def job_up(config: str, overrides: list[str], logs: Path) -> tuple[float, float]:
+    """(seconds to the "job is up" line, seconds to the end) of one run."""
+    cli = Path(sys.executable).with_name("relax-launch")
+    command = [str(cli), "run", config, *overrides, "algorithm.num_steps=1", f"logging.dir={logs}"]
+    start, up = time.monotonic(), None
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in job.stdout:
+        if up is None and "job is up" in line:
+            up = time.monotonic() - start
+            print(line.rstrip())
+    if job.wait() != 0 or up is None:
+        raise SystemExit(f"{' '.join(command)} failed ({job.returncode}); logs in {logs}")
+    return up, time.monotonic() - start
+
+
+def bare_engine(config: str, overrides: list[str], logs: Path) -> float:
+    """Seconds from launching one SGLang server of the rollout model to its first token."""
+    job = load_config(config, overrides)
+    engine = {**job.rollout.engine, "dtype": job.engine_dtype("rollout")}
+    server = SGLangServer(
+        model_path=ensure_model(job.rollout_model()),
+        device=job.cluster.device,
+        log_path=logs / "bare-engine.log",
+        engine=engine,
+    )
+    start = time.monotonic()
+    server.start(timeout_s=job.cluster.startup_timeout_s)
+    try:
+        return time.monotonic() - start
+    finally:
+        server.stop()
+
+
+def main(argv: list[str]) -> int:
+    config, overrides = argv[0], argv[1:]
+    with tempfile.TemporaryDirectory() as directory:
+        logs = Path(directory)
+        up, total = job_up(config, overrides, logs)
+        report = json.loads((logs / "startup.json").read_text())
+        floor = bare_engine(config, overrides, logs)
+    print(f"\n{'rank':<6}{'roles':<34}{'phase':<30}{'took s':>8}{'end s':>8}")
+    for rank, entry in report["ranks"].items():
+        for phase in entry["phases"]:
+            print(
+                f"{rank:<6}{entry['label'][:33]:<34}{phase['phase']:<30}"
+                f"{phase['took_s']:>8.2f}{phase['end_s']:>8.2f}"
+            )
+    critical = report["critical"]
+    print(
+        f"\ncritical path: rank {critical['rank']} {critical['phase']} at "
+        f"{critical['end_s']:.1f} s; job up at {report['up_s']:.1f} s after the first rank "
+        "process started"
+    )
+    print(f"command start -> job is up: {up:.1f} s (whole 1-step run {total:.1f} s)")
+    print(f"floor, one bare engine of the rollout model to its first token: {floor:.1f} s")
+    print(f"time to up / floor: {up / floor:.2f} (goal <= 1.3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
