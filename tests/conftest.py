@@ -79,7 +79,7 @@ def smollm2_server(
     yield from _serve(smollm2_model, tmp_path_factory.mktemp("smollm2-server"), 4096)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def venv_env() -> dict[str, str]:
     """Environment for subprocesses that run the project's own Python."""
     env = dict(os.environ)

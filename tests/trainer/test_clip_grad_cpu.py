@@ -8,38 +8,20 @@ clip_grad=1 the gradient Adam steps with must be the unclipped one scaled to nor
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from relax_launch.inference.server import free_port
+from torchrun_worker import run_worker
 
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("clip_grad_worker.py")
-
-
-def run_worker(model: Path, tp: int, pp: int, dtype: str, env: dict[str, str]) -> list[dict]:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port())]
-        + [str(WORKER), str(model), str(tp), str(pp), dtype],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.mark.parametrize(
     ("tp", "pp", "dtype"), [(2, 1, "float32"), (1, 2, "float32"), (2, 1, "bfloat16")]
 )
 def test_clip_grad_scales_the_update_by_the_global_norm(tiny_model, venv_env, tp, pp, dtype):
-    unclipped, clipped = run_worker(tiny_model, tp, pp, dtype, venv_env)
+    unclipped, clipped = run_worker(WORKER, 2, [tiny_model, tp, pp, dtype], venv_env)
     norm = unclipped["unclipped_grad_norm"]
     assert norm > 100, "the step must have a gradient norm far above the clip"
     for report in (unclipped, clipped):  # the metric is the pre-clip norm of the whole model

@@ -7,38 +7,22 @@ micro-batch more than one of a long one; the per-token loss divides once by the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from relax_launch.inference.server import free_port
+from torchrun_worker import run_worker
 
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("grad_invariance_worker.py")
 TOLERANCE = 1e-6
 
 
-def run_worker(model: Path, out: Path, ranks: int, micro: list[int], env: dict[str, str]) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-        + [str(WORKER), str(model), str(out), *map(str, micro)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 def test_gradient_is_the_same_for_any_micro_batching_and_data_parallelism(
     tiny_model, venv_env, tmp_path
 ):
-    run_worker(tiny_model, tmp_path, 1, [1, 2, 4], venv_env)
-    run_worker(tiny_model, tmp_path, 2, [1, 2], venv_env)
+    run_worker(WORKER, 1, [tiny_model, tmp_path, 1, 2, 4], venv_env)
+    run_worker(WORKER, 2, [tiny_model, tmp_path, 1, 2], venv_env)
     for aggregation in ("token", "sequence"):
         assert_same_gradients(tmp_path, aggregation)
 

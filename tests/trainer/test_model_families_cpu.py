@@ -4,14 +4,11 @@ to Megatron-core and give the Hugging Face model's own logprobs (fp32, CPU)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_worker import run_worker
 
-from relax_launch.inference.server import free_port
 from relax_launch.models.build import build_tiny_llama, ensure_model
 
 pytestmark = pytest.mark.e2e
@@ -35,17 +32,7 @@ def test_trainer_logprobs_equal_the_hf_models_for_every_family(venv_env, tmp_pat
         models[name].mkdir()
         rope = {"factor": 4.0, "rope_theta": 10000.0, **rope}
         build_tiny_llama(models[name], rope_parameters=rope)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "1", "--master-port", str(free_port()), str(WORKER)]
-        + [str(path) for path in models.values()],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=venv_env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    (report,) = run_worker(WORKER, 1, list(models.values()), venv_env)
     for name, path in models.items():
         print(f"{name}: trainer vs transformers logprobs differ by at most {report[str(path)]:.2e}")
         assert report[str(path)] <= TOLERANCE, name

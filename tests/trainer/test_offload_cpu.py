@@ -7,38 +7,20 @@ them end bit-identical to 3 steps without; calls that need an offloaded part fai
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from relax_launch.inference.server import free_port
+from torchrun_worker import run_worker
 
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("offload_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def reports(tiny_model: Path) -> list[dict]:
+def reports(tiny_model: Path, venv_env: dict[str, str]) -> list[dict]:
     """One JSON report per rank of the worker's run (see offload_worker.py)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port())]
-        + [str(WORKER), str(tiny_model)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in found) == [0, 1], result.stdout[-2000:]
+    found = run_worker(WORKER, 2, [tiny_model], venv_env)
+    assert sorted(r["rank"] for r in found) == [0, 1], found
     return found
 
 
