@@ -78,10 +78,20 @@ def prepare_megatron(device: Device, seed: int = 0, tp_rank: int = 0) -> None:
 
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
     else:
+        import sys
+
+        from megatron.core.jit import disable_jit_fuser
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
         from relax_launch.platform.cpu import redirect_megatron_to_cpu
 
+        # Megatron wraps small fused functions (the vocab-parallel cross entropy's) in
+        # torch.compile when they are imported. On the CPU inductor compiles C++ at the first
+        # call and again for new sequence lengths: 10-25 s of a job's first steps, for kernels
+        # that gain nothing here. Plain functions from the next import on.
+        disable_jit_fuser()
+        if "megatron.core.fusions.fused_cross_entropy" in sys.modules:
+            raise RuntimeError("prepare_megatron must run before Megatron's model code is imported")
         redirect_megatron_to_cpu()
         # No CUDA RNG states to fork: dropout draws from the CPU generator.
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
