@@ -56,6 +56,14 @@ def ensure_model(ref: str) -> Path:
     return path
 
 
+# transformers' model_type of each architecture the tiny builtin models have
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
 def build_tiny_llama(out: Path, seed: int = 0, **config: Any) -> None:
     """A 2-layer random Llama (hidden 64, vocab 320) and a locally trained BPE tokenizer;
     ``config`` overrides LlamaConfig fields (e.g. ``rope_scaling``)."""
@@ -79,11 +87,8 @@ def _build_tiny(out: Path, name: str, seed: int, **config: Any) -> None:
     facts = BUILTIN_MODELS[name]
     fast = _tiny_tokenizer(facts.vocab_size)
     fast.save_pretrained(out)
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
-        facts.architecture, "qwen3"
-    )
     hf_config = AutoConfig.for_model(
-        model_type,
+        MODEL_TYPES[facts.architecture],
         vocab_size=facts.vocab_size,
         hidden_size=facts.hidden_size,
         intermediate_size=128,

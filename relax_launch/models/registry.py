@@ -24,7 +24,6 @@ class ModelFacts:
     num_key_value_heads: int
     vocab_size: int
     architecture: str = "LlamaForCausalLM"  # config.json's "architectures"[0]; "" when missing
-    rope_type: str = "default"  # config.json's rope scaling type
     # Why the trainer cannot convert this model (``trainable_problem``); None when it can.
     not_trainable: str | None = field(default=None, compare=False)
 
@@ -115,7 +114,6 @@ def model_facts(ref: str) -> ModelFacts | None:
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         vocab_size=cfg.get("vocab_size", 0),
         architecture=(cfg.get("architectures") or [""])[0],
-        rope_type=rope_type(cfg),
         not_trainable=trainable_problem(cfg),
     )
 

@@ -28,8 +28,9 @@ def init_distributed(device: platform.Device, timeout_s: float) -> dist.Store:
     """Join the default group and return a store for control traffic (a prefix of torchrun's)."""
     platform.bind_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(platform.dist_backend(device), timeout=timedelta(seconds=timeout_s))
-    # torchrun sets this so later tcp:// rendezvous become store clients: SGLang's own process
-    # group and the weight-sync groups would then wait forever for a server.
+    # torchrun sets this so later tcp:// rendezvous become store clients: this process's
+    # weight-sync groups would then wait forever for a server (SGLang's environment drops it in
+    # platform.sglang_env).
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     store = dist.distributed_c10d._get_default_store()
     return dist.PrefixStore("relax-launch/", store)

@@ -65,7 +65,7 @@ def build_workers(
 ) -> None:
     """Add this rank's trainer share, if it has one, to ``workers`` (its launched engines; the
     caller closes them all), then wait for each engine's first token."""
-    engines = [w for w in workers if isinstance(w, EngineWorker)]
+    engines = list(workers)  # so far, only engines
     if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
         workers.append(trainer_worker(job, plan, pgc, shards))
         clock.mark("trainer built")
