@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
 from relax_launch import __version__
 from relax_launch.config import ConfigError, JobConfig, load_config
-from relax_launch.placement import PlacementPlan, plan, preflight
+from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
 from relax_launch.placement.render import summary, table, write_picture
 
 
@@ -26,7 +27,10 @@ def _load_and_plan(
 ) -> tuple[JobConfig, PlacementPlan, list[str]]:
     job = load_config(config_path, overrides)
     placement = plan(job, nnodes=nnodes, nproc_per_node=nproc)
-    return job, placement, preflight(job, placement, require_models=require_models)
+    notes = preflight(job, placement, require_models=require_models)
+    if require_models:  # about to start it
+        check_runnable(placement)
+    return job, placement, notes
 
 
 def _fail(message: str) -> None:
@@ -129,3 +133,75 @@ def config_command(config_path: str, overrides: tuple[str, ...]) -> None:
     except ConfigError as exc:
         _fail(str(exc))
     click.echo(json.dumps(job.model_dump(mode="json"), indent=2))
+
+
+@main.command("sbatch", context_settings={"ignore_unknown_options": True})
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--partition", help="Slurm partition (default: the cluster's).")
+@click.option("--time", help="Time limit, e.g. 04:00:00 (default: the partition's).")
+@click.option("--account", help="Slurm account to charge.")
+@click.option(
+    "--nodes", type=click.IntRange(min=1), help="Nodes to run on (default: cluster.nnodes)."
+)
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    help="GPUs to request per node; must cover cluster.nproc_per_node (cuda jobs only).",
+)
+@click.option("--requeue", is_flag=True, help="Requeue the job after it stops for its time limit.")
+@click.option("--dry-run", is_flag=True, help="Print the script instead of submitting it.")
+def sbatch_command(
+    config_path: str, overrides: tuple[str, ...], nodes: int | None, dry_run: bool, **slurm: Any
+) -> None:
+    """Validate CONFIG, render its sbatch script (one torchrun agent per node) and submit it.
+
+    Refuses, before submitting, a config that is invalid or whose plan does not fit the nodes
+    asked for. Prints the Slurm job id and where its output goes.
+    """
+    from relax_launch.runtime.sbatch import SbatchOptions, check_gpus, render, submit
+
+    overrides = (*overrides, f"cluster.nnodes={nodes}") if nodes else overrides
+    try:
+        job, placement, _ = _load_and_plan(
+            config_path, overrides, None, None, require_models=not dry_run
+        )
+        options = SbatchOptions(**slurm)
+        check_gpus(job, options.gpus_per_node)
+        script = render(job, placement, config_path, overrides, options)
+        if dry_run:
+            return click.echo(script, nl=False)
+        job_id = submit(script, job.log_dir)
+    except (ConfigError, ValueError, RuntimeError, OSError) as exc:
+        _fail(str(exc))
+    click.echo(f"submitted job {job_id}: {placement.nnodes} node(s) x {placement.nproc_per_node}")
+    click.echo(f"console: {job.log_dir}/slurm-{job_id}.out; run: {job.log_dir}/job-{job_id}/")
+    click.echo(f"follow it with: relax-launch status {job_id}")
+
+
+@main.command("status")
+@click.argument("run", metavar="RUN_DIR|JOB_ID")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status_command(run: str, as_json: bool) -> None:
+    """Where a job is: its state, last step, gateway address and engines (from the run
+    directory, the live gateway, and Slurm for a job id)."""
+    from relax_launch.runtime.status import job_status, render_status
+
+    try:
+        status = job_status(run)
+    except (FileNotFoundError, RuntimeError) as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(status, indent=2) if as_json else render_status(status))
+
+
+@main.command("stop")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False, exists=True))
+def stop_command(run_dir: str) -> None:
+    """Ask the job writing RUN_DIR to stop after a checkpoint (it exits 75; resume it with
+    --resume)."""
+    from pathlib import Path
+
+    from relax_launch.runtime.stop import STOP_FILE
+
+    (Path(run_dir) / STOP_FILE).touch()
+    click.echo(f"relax-launch: asked the job in {run_dir} to stop after a checkpoint")

@@ -1,7 +1,8 @@
 """torchrun entry point: ``torchrun --nproc-per-node G -m relax_launch.launch CONFIG [k=v ...]``.
 
 Every rank loads the config, plans the placement for torchrun's world and checks it, then runs
-its part of the job (``relax_launch.runtime.job.run_rank``); rank 0 drives the others.
+its part of the job (``relax_launch.runtime.job.run_rank``); rank 0 drives the others. Rank 0
+exits with 75 when the job was stopped on request (a signal, a STOP file) before its last step.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 import sys
 
 from relax_launch.config import ConfigError, load_config
-from relax_launch.placement import plan, preflight
+from relax_launch.placement import check_runnable, plan, preflight
 
 
 def main(argv: list[str]) -> int:
@@ -23,13 +24,18 @@ def main(argv: list[str]) -> int:
         world = job.cluster.nnodes * job.cluster.nproc_per_node
         placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
         preflight(job, placement, require_models=True)
+        check_runnable(placement)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2
     from relax_launch.rl.program import rl_program
     from relax_launch.runtime.job import run_rank  # torch and friends: after validation
+    from relax_launch.runtime.stop import EXIT_STOPPED, JobStopped
 
-    run_rank(job, placement, rl_program(job))
+    try:
+        run_rank(job, placement, rl_program(job))
+    except JobStopped:
+        return EXIT_STOPPED  # a checkpoint and the command that resumes are on the console
     return 0
 
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
+from harness.processes import TEST_TAG, processes_tagged
 
 from relax_launch.inference.process import group_alive
 from relax_launch.inference.server import SGLangServer
@@ -23,7 +23,6 @@ from relax_launch.models.build import ensure_model
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_START_TIMEOUT_S = 240.0
-TEST_TAG = "RELAX_TEST_PROCESS_TAG"  # inherited by every process a test starts
 EXIT_GRACE_S = 20.0
 
 
@@ -85,20 +84,6 @@ def venv_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
-
-
-def processes_tagged(tag: str) -> list[psutil.Process]:
-    """Live processes whose environment carries ``tag`` (orphans included: they keep it)."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if process.environ().get(TEST_TAG) == tag:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 @pytest.fixture(autouse=True)

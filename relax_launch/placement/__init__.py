@@ -9,7 +9,7 @@ from relax_launch.placement.plan import (
     WeightSyncGroup,
 )
 from relax_launch.placement.planner import plan
-from relax_launch.placement.preflight import preflight
+from relax_launch.placement.preflight import check_runnable, preflight
 
 __all__ = [
     "EnginePlan",
@@ -18,6 +18,7 @@ __all__ = [
     "RoleAssignment",
     "TrainerLayout",
     "WeightSyncGroup",
+    "check_runnable",
     "plan",
     "preflight",
 ]

@@ -27,6 +27,12 @@ class ClusterConfig(Section):
     startup_timeout_s: float = Field(
         900.0, gt=0, description="Timeout for an engine or trainer to come up, seconds."
     )
+    liveness_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A rank silent this long (its process or node died), or a store that does "
+        "not answer this long, ends the job on every node, seconds.",
+    )
 
 
 class PlacementConfig(Section):

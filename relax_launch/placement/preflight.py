@@ -161,3 +161,24 @@ def _largest_common_divisor(facts: ModelFacts, below: int) -> int:
         for d in range(1, below + 1)
         if facts.num_attention_heads % d == 0 and facts.num_key_value_heads % d == 0
     )
+
+
+def check_runnable(plan: PlacementPlan) -> None:
+    """What the planner accepts but the runtime cannot start yet (``relax-launch plan`` still
+    shows such a plan; ``run``, ``sbatch`` and every rank refuse it before starting anything)."""
+    wide = [
+        f"{e.role} engine {e.index} (nodes {list(e.nodes)})"
+        for e in plan.engines
+        if len(e.nodes) > 1
+    ]
+    if wide:
+        raise ConfigError(
+            f"{', '.join(wide)} would span nodes, and the runtime starts each engine's SGLang "
+            "server on one node only: give each engine at most cluster.nproc_per_node ranks "
+            "(ranks_per_engine / tp_size) so it fits inside a node.",
+            tuple(
+                dict.fromkeys(
+                    f"{e.role}.ranks_per_engine" for e in plan.engines if len(e.nodes) > 1
+                )
+            ),
+        )

@@ -14,7 +14,6 @@ one older than ``off_policy_steps`` is not trained on (``samples_stale``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +25,7 @@ from typing import Any
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
 from relax_launch.rl.advantages import distill_advantages, group_advantages
+from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.report import MetricsLog, StepProgress
@@ -41,6 +41,7 @@ from relax_launch.trainer.losses import LossSpec
 # The background rollout's requests each time out after gateway.request_timeout_s (300 s by
 # default); this bounds the wait for all of them with room to spare.
 ROLLOUT_WAIT_S = 900.0
+STOP_NOTICE_S = 3.0  # a step that fails waits this long for a stop request that explains it
 clock = time.perf_counter  # the step clock (a test steps it by hand)
 
 
@@ -300,47 +301,59 @@ def run(
     """Steps ``start_step`` to ``num_steps`` with a progress line each, checkpoints when due;
     metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end.
 
+    Asked to stop (``Session.stop_requested``), it stops after the step in flight (or drops that
+    step when it fails, e.g. its engines got the same signal), saves the last finished step and
+    raises ``JobStopped``.
+
     Step k's wall time runs from the end of step k-1's to its own end, so the steps tile the
     loop: logging and printing step k-1 is part of step k's ``time/other``.
     """
     history = list(ctx.log.history)
     if ctx.algorithm.off_policy_steps:
         ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
-    progress = StepProgress(ctx.session.console, num_steps, start_step)
     try:
-        with progress:
-            began = clock()
-            for step in range(start_step, num_steps):
-                metrics = step_fn(ctx, step, num_steps)
-                if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
-                    with timed(ctx.seconds, "checkpoint"):
-                        save_checkpoint(ctx, step + 1)
-                ended = clock()
-                metrics |= step_times(ctx.seconds, ended - began)
-                began = ended
-                history.append(metrics)
-                ctx.log.write(metrics)
-                progress.step(metrics)
+        stopped, done = run_steps(ctx, num_steps, start_step, step_fn, history)
+        if stopped is not None and (failure := ctx.session.stop.failed()):
+            raise RuntimeError(f"the job failed: {failure}")  # the stop was its consequence
     finally:
         if ctx.background is not None:  # on an error, do not wait for a rollout nobody needs
             ctx.background.shutdown(wait=False, cancel_futures=True)
     operator_log().info(ctx.log.finish(history, log_dir))
+    if stopped is not None:
+        stop_job(ctx, stopped, done, num_steps, log_dir)
     return history
 
 
-def checkpoint_due(ctx: RLContext, step: int, num_steps: int) -> bool:
-    every = ctx.checkpoint_every
-    return step == num_steps or (every > 0 and step % every == 0)
-
-
-def save_checkpoint(ctx: RLContext, step: int) -> None:
-    """The trainer shards, then the controller's position, then the completion marker."""
-    directory = ctx.checkpoints.prepare(step)
-    ctx.session.save_trainer(str(directory))
-    state = {
-        "step": step,
-        "prompts": dataclasses.asdict(ctx.trained_cursor),
-        "skipped_prompts": ctx.skipped_prompts,
-    }
-    ctx.checkpoints.complete(step, state)
-    operator_log().info(f"relax-launch: checkpoint of step {step} in {directory}")
+def run_steps(
+    ctx: RLContext,
+    num_steps: int,
+    start_step: int,
+    step_fn: Callable[[RLContext, int, int], dict[str, float]],
+    history: list[dict[str, float]],
+) -> tuple[str | None, int]:
+    """The steps; returns why they stopped early (None: they all ran) and the steps done."""
+    progress = StepProgress(ctx.session.console, num_steps, start_step)
+    with progress:
+        began = clock()
+        for step in range(start_step, num_steps):
+            if stopped := ctx.session.stop_requested():
+                return stopped, step
+            try:
+                metrics = step_fn(ctx, step, num_steps)
+            except Exception as exc:
+                if not (stopped := ctx.session.stop_requested(wait_s=STOP_NOTICE_S)):
+                    raise
+                operator_log().warning(
+                    f"relax-launch: step {step + 1} dropped ({type(exc).__name__}) by the stop"
+                )
+                return stopped, step
+            if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
+                with timed(ctx.seconds, "checkpoint"):
+                    save_checkpoint(ctx, step + 1)
+            ended = clock()
+            metrics |= step_times(ctx.seconds, ended - began)
+            began = ended
+            history.append(metrics)
+            ctx.log.write(metrics)
+            progress.step(metrics)
+    return None, num_steps

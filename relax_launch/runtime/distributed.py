@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,37 @@ def check_same_plan(store: dist.Store, plan: PlacementPlan, rank: int, timeout_s
     verdict = store.get("plan/verdict").decode()
     if verdict != "ok":
         raise PlanMismatchError(f"rank {rank}: {verdict}")
+
+
+def check_shared_directory(
+    store: dist.Store, directory: Path, plan: PlacementPlan, rank: int, timeout_s: float
+) -> None:
+    """On several nodes, every rank must see the files rank 0 writes in ``directory`` (the
+    checkpoints: rank 0 writes the controller's part, a trainer rank anywhere its shard, and a
+    resume reads them all). Rank 0 writes a probe file; a rank that cannot see it fails naming
+    the directory; rank 0 deletes the probe once every rank has looked."""
+    if plan.nnodes == 1:
+        return
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(8)
+        (directory / f".relax-shared-{token}").write_text(token)
+        store.set("shared/token", token)
+    _wait(store, ["shared/token"], timeout_s, "rank 0's probe of checkpoint.dir")
+    probe = directory / f".relax-shared-{store.get('shared/token').decode()}"
+    seen = probe.is_file()
+    store.set(f"shared/{rank}", "seen" if seen else "missing")
+    if not seen:
+        raise RuntimeError(
+            f"checkpoint.dir={directory} is not shared between nodes: node "
+            f"{plan.ranks[rank].node} does not see the file {probe.name} that rank 0 wrote on "
+            f"node 0. Put checkpoint.dir on a filesystem every node mounts at the same path"
+        )
+    if rank == 0:
+        _wait(store, [f"shared/{r}" for r in range(plan.world_size)], timeout_s, "every rank")
+        probe.unlink()
+        for key in ["shared/token", *(f"shared/{r}" for r in range(plan.world_size))]:
+            store.delete_key(key)
 
 
 def _wait(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> None:

@@ -9,8 +9,8 @@ leave the process group.
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -23,11 +23,19 @@ from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log, route_rank_output
 from relax_launch.runtime.control import ControlChannel
-from relax_launch.runtime.distributed import ShardChannel, check_same_plan, init_distributed
+from relax_launch.runtime.distributed import (
+    ShardChannel,
+    check_same_plan,
+    check_shared_directory,
+    init_distributed,
+)
 from relax_launch.runtime.groups import build_trainer_groups
+from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.startup import StartupClock, StartupMarks
-from relax_launch.runtime.workers import EngineWorker, TrainerWorker, node_address
+from relax_launch.runtime.stop import JobStopped, StopRequest, write_end_record
+from relax_launch.runtime.watchdog import JobWatchdog, describe_rank
+from relax_launch.runtime.workers import EngineWorker, TrainerWorker
 
 Program = Callable[[Session], Any]
 
@@ -141,8 +149,101 @@ def close_all(workers: list[Any]) -> None:
         worker.close()
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+def start_watchdog(
+    job: JobConfig, plan: PlacementPlan, rank: int, store: Any, stop: StopRequest, workers: list
+) -> JobWatchdog:
+    """This rank's watchdog, watching the engine servers it launched; from now on a stop signal
+    asks rank 0 to stop the job after a checkpoint."""
+    watchdog = JobWatchdog(
+        store, plan, rank, stop, liveness_timeout_s=job.cluster.liveness_timeout_s
+    )
+    for engine in workers:
+        watchdog.watch_process(f"{engine.engine.role} engine {engine.engine.index}", engine.process)
+        watchdog.closers.append(engine.close)
+    if rank == 0:
+        watchdog.on_end = lambda reason: end_in_failure(job, reason)
+    watchdog.start()
+    stop.failure = watchdog.recorded_abort
+    stop.graceful = True
+    return watchdog
+
+
+def end_in_failure(job: JobConfig, reason: str) -> None:
+    """Rank 0: tell the operator why the job ends, and write it into the run's end record."""
+    operator_log().error(f"relax-launch: job failed: {reason}")
+    write_end_record(job.log_dir, "failed", reason)
+
+
+def report_failure(
+    job: JobConfig, plan: PlacementPlan, watchdog: JobWatchdog, exc: BaseException
+) -> None:
+    """This rank failed: the job's cause is the first one recorded, which may be another rank's
+    (this failure its consequence), else this one."""
+    watchdog.quiet()
+    rank = watchdog.rank
+    cause = watchdog.recorded_abort(wait_s=2 * watchdog.interval_s)
+    if cause is None:
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        cause = watchdog.abort(f"{describe_rank(plan, rank)} failed: {type(exc).__name__}: {what}")
+    if rank == 0 and watchdog.claim_end():
+        end_in_failure(job, cause)
+
+
+def build_rank(
+    job: JobConfig, plan: PlacementPlan, rank: int, workers: list[Any], clock: StartupClock
+) -> tuple[dict[str, Any], ShardChannel]:
+    """Trainer groups, Megatron's set-up and this rank's workers (into ``workers``); returns the
+    handlers of every command this rank answers, and the shard channel."""
+    pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
+    if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
+        tp_rank = pgc.tp.rank() if pgc is not None else 0
+        platform.prepare_megatron(job.cluster.device, job.trainer.seed, tp_rank)
+    shards = ShardChannel(
+        plan.trainer,
+        rank,
+        platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
+        pgc.mp if pgc is not None else None,
+    )
+    build_workers(job, plan, rank, pgc, shards, workers, clock)
+    handlers = {k: v for w in workers for k, v in w.handlers().items()}
+    handlers[StartupMarks.op] = lambda command: clock.marks
+    return handlers, shards
+
+
+def run_controller(
+    job: JobConfig,
+    plan: PlacementPlan,
+    program: Program,
+    channel: ControlChannel,
+    shards: ShardChannel,
+    handlers: dict[str, Any],
+    control_plane: ControlPlane | None,
+    console: Any,
+    stop: StopRequest,
+    clock: StartupClock,
+    watchdog: JobWatchdog,
+) -> Any:
+    """Rank 0: run ``program`` on a session of the job, then stop every rank."""
+    session = Session(
+        plan=plan,
+        channel=channel,
+        shards=shards,
+        handlers=handlers,
+        startup_timeout_s=job.cluster.startup_timeout_s,
+        weight_sync_timeout_s=job.weight_sync.timeout_s,
+        control_plane=control_plane,
+        console=console,
+        startup=clock,
+        stop=stop,
+    )
+    try:
+        result = program(session)
+    finally:
+        if watchdog.recorded_abort() is None:  # else the ranks are ending by themselves
+            watchdog.announce_shutdown()  # ranks and servers now leave on purpose
+            session.shutdown()
+    write_end_record(job.log_dir, "completed", "every step ran")
+    return result
 
 
 def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
@@ -151,52 +252,52 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
     clock = StartupClock()
     clock.mark("imports and config")
     console = route_rank_output(job.log_dir, rank, job.logging.level, role_labels(plan)[rank])
-    # torchrun stops the other ranks with SIGTERM when one fails: exit through the finally
-    # blocks below so this rank's engine servers are stopped, not orphaned.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    stop = StopRequest(rank, job.log_dir)
+    stop.install()  # before the engines: a stop during start-up leaves through the finally below
+    configure_network(plan)
     # Engines start first: their load is the longest part of start-up, and needs no group.
     workers: list[Any] = launch_engines(job, plan, rank, clock)
-    channel = control_plane = store = None
+    channel = control_plane = store = watchdog = None
     try:
         store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
+        watchdog = start_watchdog(job, plan, rank, store, stop, workers)
         check_same_plan(store, plan, rank, job.cluster.collective_timeout_s)
+        if job.checkpoint.dir is not None:
+            check_shared_directory(
+                store, Path(job.checkpoint.dir), plan, rank, job.cluster.collective_timeout_s
+            )
+        watchdog.joined()  # every rank has published its first heartbeat and its PID
         clock.mark("process group")
         if rank == 0:
             control_plane = start_control_plane(job, plan)
-        pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
-        if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
-            tp_rank = pgc.tp.rank() if pgc is not None else 0
-            platform.prepare_megatron(job.cluster.device, job.trainer.seed, tp_rank)
-        shards = ShardChannel(
-            plan.trainer,
-            rank,
-            platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
-            pgc.mp if pgc is not None else None,
-        )
-        build_workers(job, plan, rank, pgc, shards, workers, clock)
-        handlers = {k: v for w in workers for k, v in w.handlers().items()}
-        handlers[StartupMarks.op] = lambda command: clock.marks
+        handlers, shards = build_rank(job, plan, rank, workers, clock)
         channel = ControlChannel(
             store, rank=rank, roles=role_labels(plan), timeout_s=job.cluster.collective_timeout_s
         )
         if rank != 0:
             return channel.serve(handlers)
-        session = Session(
-            plan=plan,
-            channel=channel,
-            shards=shards,
-            handlers=handlers,
-            startup_timeout_s=job.cluster.startup_timeout_s,
-            weight_sync_timeout_s=job.weight_sync.timeout_s,
-            control_plane=control_plane,
-            console=console,
-            startup=clock,
+        return run_controller(
+            job,
+            plan,
+            program,
+            channel,
+            shards,
+            handlers,
+            control_plane,
+            console,
+            stop,
+            clock,
+            watchdog,
         )
-        try:
-            return program(session)
-        finally:
-            session.shutdown()
+    except JobStopped:
+        raise
+    except BaseException as exc:
+        if watchdog is not None:
+            report_failure(job, plan, watchdog, exc)
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.close()
         if control_plane is not None:
             control_plane.close()
         close_all(workers)

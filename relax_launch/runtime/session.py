@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -28,6 +29,7 @@ from relax_launch.runtime.startup import (
     startup_report,
     summary_line,
 )
+from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.workers import (
     CommitWeights,
     ConnectWeights,
@@ -147,8 +149,10 @@ class Session:
         control_plane: ControlPlane | None = None,
         console: Console | None = None,
         startup: StartupClock | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
+        self.stop = stop or StopRequest(0, Path("."))  # a test's session: never asked to stop
         self.startup = startup or StartupClock()  # rank 0's own start-up phases
         self.console = console or Console()  # rank 0's operator console
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
@@ -163,6 +167,11 @@ class Session:
         self, command: Command, ranks: Iterable[int], timeout_s: float | None = None
     ) -> dict[int, Any]:
         return self.channel.call(command, ranks, self.local.get(command.route), timeout_s)
+
+    def stop_requested(self, wait_s: float = 0.0) -> str | None:
+        """Why the job should stop after a checkpoint (a signal or a STOP file), if it should;
+        ``wait_s``: a failed step may be the first sign of a request still on its way."""
+        return self.stop.requested(wait_s)
 
     @property
     def gateway_url(self) -> str | None:
@@ -308,7 +317,7 @@ class Session:
         return startup_report(marks, {r.rank: roles_label(r) for r in self.plan.ranks})
 
     def shutdown(self) -> None:
-        self._call(Shutdown(), range(self.plan.world_size), timeout_s=60)
+        self._call(Shutdown(), range(self.plan.world_size), timeout_s=30)
         self.engine_control.close()
 
 

@@ -10,7 +10,6 @@ through the ``ShardChannel``.
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, ClassVar
 from relax_launch import platform
 from relax_launch.inference.config import InferenceRoleConfig
 from relax_launch.inference.server import SGLangServer, free_port
-from relax_launch.placement.plan import EnginePlan, PlacementPlan
+from relax_launch.placement.plan import EnginePlan
 from relax_launch.runtime.control import Command, Handler
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.trainer.batch import ShardShape
@@ -117,11 +116,6 @@ class EngineUrl(Command):
     @property
     def route(self) -> str:  # one rank may head engines of several roles (defer)
         return f"{self.role}.engine{self.index}.url"
-
-
-def node_address(plan: PlacementPlan) -> str:
-    """Address other nodes reach this one at (loopback on a single node)."""
-    return "127.0.0.1" if plan.nnodes == 1 else socket.gethostbyname(socket.gethostname())
 
 
 class TrainerWorker:
@@ -265,6 +259,11 @@ class EngineWorker:
 
     def wait_ready(self, timeout_s: float) -> None:
         self.server.wait_ready(timeout_s)
+
+    @property
+    def process(self) -> Any:
+        """The server's process (its launcher's ``Popen``), once launched."""
+        return self.server.process
 
     def handlers(self) -> dict[str, Handler]:
         return {EngineUrl(self.engine.role, self.engine.index).route: lambda c: self.server.url}

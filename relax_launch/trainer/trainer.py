@@ -145,7 +145,10 @@ class Trainer:
             "step": self.step,
         }
         partial = path.with_name(path.name + ".partial")
-        torch.save(state, partial)
+        with open(partial, "wb") as file:  # on disk before rank 0 marks the checkpoint complete
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
         partial.replace(path)
         return str(path)
 

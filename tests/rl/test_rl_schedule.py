@@ -34,6 +34,9 @@ class RecordingSession:
         self.synced_while_generating = False
         self.lock = threading.Lock()
 
+    def stop_requested(self, wait_s: float = 0.0) -> None:
+        return None  # nobody asks these runs to stop
+
     def record(self, name: str) -> None:
         with self.lock:
             self.events.append((name, time.perf_counter()))

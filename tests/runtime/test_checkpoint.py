@@ -24,6 +24,20 @@ def test_newest_ignores_incomplete_and_keep_last_prunes(tmp_path):
     assert store.newest() == (2, tmp_path / "step_000002")
 
 
+def test_keep_last_counts_only_complete_checkpoints(tmp_path):
+    """Incomplete directories (a save cut short) never push a complete checkpoint out."""
+    store = Checkpoints(tmp_path, keep_last=2)
+    store.prepare(1)
+    store.complete(1, {"step": 1})
+    for crashed in (2, 3):
+        store.prepare(crashed)  # no marker: the job died while saving
+    store.prepare(4)
+    store.complete(4, {"step": 4})
+    assert [step for step, _ in store.complete_steps()] == [1, 4]
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["step_000001", "step_000004"]
+    assert not list(tmp_path.glob("step_*/*.partial"))  # written whole, then renamed
+
+
 def test_resumed_metrics_keep_the_steps_up_to_the_checkpoint(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2, 3))

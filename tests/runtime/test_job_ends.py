@@ -1,0 +1,165 @@
+"""Every way a running job can end, for real: a stop (signal) writes a checkpoint and exits 75;
+the death of any process of the job (the relax-launch command, torchrun's agent, a rank, an
+SGLang server) ends the whole job within 30 s, names what died, and leaves no process.
+
+Each case runs ``relax-launch run`` on a tiny 2-rank job (trainer on rank 0, rollout engine on
+rank 1), waits for a few steps, then signals one process. The seconds until the job's last
+process is gone are printed (``-s``) for the operations table in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from harness.processes import TEST_TAG, processes_tagged
+
+pytestmark = pytest.mark.e2e
+CONFIG = Path(__file__).parent / "lifecycle_tiny.yaml"
+ALL_GONE_S = 30.0  # the promise: every process of the job gone within this
+STOPPED = 75
+
+
+class Job:
+    """``relax-launch run`` of the lifecycle config in ``tmp_path``; finds its processes."""
+
+    def __init__(self, tmp_path: Path, *overrides: str) -> None:
+        self.run_dir, self.checkpoints = tmp_path / "run", tmp_path / "ck"
+        self.tag = os.environ[TEST_TAG]
+        cli = Path(sys.executable).with_name("relax-launch")
+        args = [f"logging.dir={self.run_dir}", f"checkpoint.dir={self.checkpoints}", *overrides]
+        self.process = subprocess.Popen(
+            [str(cli), "run", str(CONFIG), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def wait_for_steps(self, steps: int, timeout_s: float = 300) -> None:
+        metrics, deadline = self.run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+            assert self.process.poll() is None, self.finish()[1]
+            assert time.monotonic() < deadline, f"no {steps} steps within {timeout_s} s"
+            time.sleep(0.2)
+
+    def target(self, what: str) -> psutil.Process:
+        """The process called ``what``: cli, agent, rank0, rank1, engine (rank 1's server)."""
+        if what == "cli":
+            return psutil.Process(self.process.pid)
+        for p in processes_tagged(self.tag):
+            command, env = " ".join(p.cmdline()), p.environ()
+            if what == "agent" and "torchrun" in command:
+                return p
+            if what.startswith("rank") and "relax_launch.launch" in command:
+                if env.get("RANK") == what[4:] and "sglang" not in command:
+                    return p
+            if what == "engine" and "sglang.launch_server" in command:
+                return p
+        raise LookupError(f"no {what} process among {self.describe()}")
+
+    def describe(self) -> list[str]:
+        return [f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in processes_tagged(self.tag)]
+
+    def seconds_until_gone(self, since: float, limit_s: float = 90) -> float:
+        while processes_tagged(self.tag) and time.monotonic() - since < limit_s:
+            time.sleep(0.1)
+        assert not processes_tagged(self.tag), f"left after {limit_s} s: {self.describe()}"
+        return time.monotonic() - since
+
+    def finish(self) -> tuple[int, str, str]:
+        out, err = self.process.communicate(timeout=120)
+        return self.process.returncode, out, err
+
+
+def end_by(tmp_path: Path, what: str, signum: int) -> tuple[Job, float, int, str]:
+    """Run the job, signal ``what`` once it has trained 3 steps; returns the job, the seconds
+    until its last process was gone, its exit code and its console (stdout + stderr)."""
+    job = Job(tmp_path)
+    try:
+        job.wait_for_steps(3)
+        victim = job.target(what)
+        began = time.monotonic()
+        victim.send_signal(signum)
+        seconds = job.seconds_until_gone(began)
+        code, out, err = job.finish()
+    finally:
+        if job.process.poll() is None:
+            os.killpg(job.process.pid, signal.SIGKILL)
+            job.process.wait()
+    print(f"\n{what} {signal.Signals(signum).name}: all gone in {seconds:.1f} s, exit {code}")
+    return job, seconds, code, out + err
+
+
+def test_a_dead_engine_server_ends_the_job_and_names_it(tmp_path):
+    _, seconds, code, console = end_by(tmp_path, "engine", signal.SIGKILL)
+    assert seconds < ALL_GONE_S
+    assert code not in (0, STOPPED)
+    cause = "rollout engine 0 on rank 1 (rollout[e0 head], node 0): its SGLang server was killed"
+    assert f"job failed: {cause} by SIGKILL" in console, console
+    assert "Traceback" not in console
+
+
+def test_sigterm_stops_after_a_checkpoint_and_resume_continues(tmp_path):
+    job, seconds, code, console = end_by(tmp_path, "cli", signal.SIGTERM)
+    assert seconds < ALL_GONE_S and code == STOPPED, console
+    end = json.loads((job.run_dir / "end.json").read_text())
+    assert end["state"] == "stopped" and end["reason"].startswith("SIGTERM to rank")
+    done = end["step"]
+    assert end["checkpoint"] == str(job.checkpoints / f"step_{done:06d}")
+    assert (Path(end["checkpoint"]) / "COMPLETE").is_file()
+    assert f"resume with: {end['resume']}" in console
+    # the command it printed continues at the next step
+    resume = [a for a in end["resume"].split()[3:] if a != "--resume"]
+    cli = Path(sys.executable).with_name("relax-launch")
+    again = subprocess.run(
+        [str(cli), "run", str(CONFIG), *resume, f"algorithm.num_steps={done + 2}", "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming from {end['checkpoint']}: step {done}" in again.stdout
+    rows = (job.run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(row)["step"] for row in rows]
+    assert steps[-2:] == [done + 1, done + 2] and steps == list(range(1, done + 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "what,signum,cause",
+    [
+        ("rank1", signal.SIGKILL, "rank 1 (rollout[e0 head], node 0) died"),
+        # the controller (it writes no end record): torchrun's summary names it
+        ("rank0", signal.SIGKILL, "rank 0 (trainer[tp0 pp0 dp0]) was killed by SIGKILL"),
+        ("agent", signal.SIGKILL, "its torchrun agent died"),
+    ],
+)
+def test_a_dead_process_ends_the_job(tmp_path, what, signum, cause):
+    _, seconds, code, console = end_by(tmp_path, what, signum)
+    assert seconds < ALL_GONE_S and code not in (0, STOPPED), console
+    assert (
+        f"job failed: {cause}" in console
+        or f"job failed: rank 0 (trainer[tp0 pp0 dp0], node 0): {cause}" in console
+    ), console
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "what,signum",
+    [("cli", signal.SIGKILL), ("rank1", signal.SIGTERM), ("agent", signal.SIGTERM)],
+)
+def test_a_stop_anywhere_checkpoints_and_exits_75(tmp_path, what, signum):
+    job, seconds, code, console = end_by(tmp_path, what, signum)
+    end = json.loads((job.run_dir / "end.json").read_text())
+    assert end["state"] == "stopped" and (Path(end["checkpoint"]) / "COMPLETE").is_file()
+    assert seconds < ALL_GONE_S
+    if what != "cli":  # a killed command has no exit code of its own to give
+        assert code == STOPPED, console

@@ -1,0 +1,163 @@
+"""A job over two nodes on one host: two torchrun agents (``--nnodes 2``, node ranks 0 and 1,
+static rendezvous, as the sbatch script starts them), the trainer (TP 2) on node 0, a rollout
+and a teacher engine on node 1 (tests/runtime/two_nodes_tiny.yaml).
+
+Each node runs in its own network namespace with its own address (tests/harness/netns.py):
+inside a node, 127.0.0.1 is that node's alone, so anything that advertised or dialled loopback
+across nodes would fail here. The same job also runs with both agents on the host's loopback,
+for machines without namespaces (slow suite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import netns
+from harness.processes import TEST_TAG, processes_tagged
+
+from relax_launch.config import load_config
+from relax_launch.inference.server import free_port
+from relax_launch.placement import plan
+from relax_launch.runtime.launcher import ENTRY_MODULE, torchrun_command
+
+pytestmark = pytest.mark.e2e
+CONFIG = Path(__file__).parent / "two_nodes_tiny.yaml"
+ALL_GONE_S = 30.0
+JOB_TIMEOUT_S = 600.0
+NO_NETNS = netns.available()
+needs_netns = pytest.mark.skipif(NO_NETNS is not None, reason=str(NO_NETNS))
+
+
+class TwoNodeJob:
+    """The two agents of one job; ``nodes`` are namespaces (None: the host, on loopback)."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        nodes: list[netns.Node] | None,
+        *overrides: str,
+        node1_overrides: tuple[str, ...] = (),
+        node1_prefix: tuple[str, ...] = (),
+    ) -> None:
+        self.run_dir, self.tag = tmp_path / "run", os.environ[TEST_TAG]
+        master = nodes[0].address if nodes else "127.0.0.1"
+        placement = plan(load_config(CONFIG, ()))
+        port, self.agents, self.logs = free_port(), [], []
+        for node_rank in (0, 1):
+            args = [str(CONFIG), f"logging.dir={self.run_dir}", *overrides]
+            args += list(node1_overrides) if node_rank == 1 else []
+            command = torchrun_command(ENTRY_MODULE, args, placement, port, node_rank, master)
+            command = [*node1_prefix, *command] if node_rank == 1 else command
+            log = open(tmp_path / f"agent{node_rank}.log", "w")  # noqa: SIM115 - closed in finish
+            start = nodes[node_rank].popen if nodes else subprocess.Popen
+            self.agents.append(start(command, stdout=log, stderr=subprocess.STDOUT))
+            self.logs.append(log)
+
+    def wait_for_steps(self, steps: int, timeout_s: float = JOB_TIMEOUT_S) -> None:
+        metrics, deadline = self.run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+            assert all(a.poll() is None for a in self.agents), self.consoles()
+            assert time.monotonic() < deadline, f"no {steps} steps in {timeout_s} s"
+            time.sleep(0.2)
+
+    def finish(self, timeout_s: float = JOB_TIMEOUT_S) -> list[int]:
+        """Both agents' exit codes, once both have ended."""
+        try:
+            return [agent.wait(timeout=timeout_s) for agent in self.agents]
+        finally:
+            for log in self.logs:
+                log.close()
+
+    def consoles(self) -> str:
+        return "\n".join(Path(log.name).read_text(errors="replace") for log in self.logs)
+
+    def metrics(self) -> list[dict]:
+        rows = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(row) for row in rows]
+
+    def seconds_until_gone(self, since: float, limit_s: float = 90) -> float:
+        while processes_tagged(self.tag) and time.monotonic() - since < limit_s:
+            time.sleep(0.1)
+        left = [" ".join(p.cmdline())[:80] for p in processes_tagged(self.tag)]
+        assert not left, f"left after {limit_s} s: {left}"
+        return time.monotonic() - since
+
+
+def trains_and_syncs_for_three_steps(job: TwoNodeJob, engine_host: str) -> None:
+    codes = job.finish()
+    assert codes == [0, 0], job.consoles()
+    rows = job.metrics()
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    # each step's samples came from the weights the previous step synced across the link
+    assert [row["weight_version"] for row in rows] == [0, 1, 2], rows[-1]
+    assert all(row["sync/gb_per_s"] > 0 and "reverse_kl" in row for row in rows)  # teacher scored
+    for engine in ("rollout", "teacher"):  # each served at node 1's own address
+        log = (job.run_dir / f"{engine}-engine0.log").read_text()
+        assert f"Uvicorn running on http://{engine_host}:" in log
+
+
+@needs_netns
+def test_two_nodes_each_in_its_own_network_namespace(tmp_path):
+    with netns.TwoNodeNetwork() as network:
+        job = TwoNodeJob(tmp_path, network.nodes)
+        trains_and_syncs_for_three_steps(job, engine_host=network.nodes[1].address)
+
+
+@needs_netns
+def test_killing_node_1s_agent_ends_node_0(tmp_path):
+    with netns.TwoNodeNetwork() as network:
+        job = TwoNodeJob(tmp_path, network.nodes, "algorithm.num_steps=1000")
+        job.wait_for_steps(2)
+        node1 = psutil.Process(job.agents[1].pid)
+        assert "--node-rank 1" in " ".join(node1.cmdline())  # the agent itself
+        began = time.monotonic()
+        node1.send_signal(signal.SIGKILL)
+        seconds = job.seconds_until_gone(began)
+        codes = job.finish(timeout_s=ALL_GONE_S)
+        console = job.consoles()
+    print(f"\nnode 1's agent SIGKILL: both nodes gone in {seconds:.1f} s, exit codes {codes}")
+    assert seconds < ALL_GONE_S and codes[0] != 0, console
+    # whichever rank of node 1 is seen first: both lost their agent
+    assert re.search(
+        r"job failed: rank [23] \((rollout|teacher)\[e0 head\], node 1\): its "
+        r"torchrun agent died",
+        console,
+    ), console
+
+
+def test_nodes_given_different_configs_refuse_to_start(tmp_path):
+    job = TwoNodeJob(tmp_path, None, node1_overrides=("trainer.lr=0.02",))
+    codes = job.finish(timeout_s=300)
+    console = job.consoles()
+    assert codes[0] != 0 and codes[1] != 0, console
+    assert "ranks [2, 3] planned" in console and "differs between nodes" in console, console
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_a_checkpoint_directory_node_1_cannot_see_is_refused(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    # node 1 runs in a mount namespace of its own where checkpoint.dir is an empty tmpfs: a
+    # node-local directory at the same path, as on a cluster without a shared filesystem
+    mount = f'mount -t tmpfs none {checkpoints} && exec "$@"'
+    hide = ("unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "node1")
+    job = TwoNodeJob(tmp_path, None, f"checkpoint.dir={checkpoints}", node1_prefix=hide)
+    codes = job.finish(timeout_s=300)
+    console = job.consoles()
+    assert codes[0] != 0 and codes[1] != 0, console
+    assert f"checkpoint.dir={checkpoints} is not shared between nodes: node 1" in console, console
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback(tmp_path):
+    job = TwoNodeJob(tmp_path, None)
+    trains_and_syncs_for_three_steps(job, engine_host="127.0.0.1")
