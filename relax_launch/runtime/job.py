@@ -8,6 +8,7 @@ leave the process group.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +35,10 @@ from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.startup import StartupClock, StartupMarks
 from relax_launch.runtime.stop import JobStopped, StopRequest, write_end_record
-from relax_launch.runtime.watchdog import JobWatchdog, describe_rank
+from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
 from relax_launch.runtime.workers import EngineWorker, TrainerWorker
+
+log = logging.getLogger(__name__)
 
 Program = Callable[[Session], Any]
 
@@ -182,11 +185,15 @@ def report_failure(
     watchdog.quiet()
     rank = watchdog.rank
     cause = watchdog.recorded_abort(wait_s=2 * watchdog.interval_s)
+    if cause is None and rank != 0 and not watchdog.store_answers():
+        cause = store_lost(plan, rank, exc)  # the store, and the cause, went with node 0
     if cause is None:
         what = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         cause = watchdog.abort(f"{describe_rank(plan, rank)} failed: {type(exc).__name__}: {what}")
     if rank == 0 and watchdog.claim_end():
         end_in_failure(job, cause)
+    elif rank != 0:
+        log.error("relax-launch: the job is ending: %s", cause)
 
 
 def build_rank(
@@ -238,12 +245,25 @@ def run_controller(
     )
     try:
         result = program(session)
-    finally:
-        if watchdog.recorded_abort() is None:  # else the ranks are ending by themselves
-            watchdog.announce_shutdown()  # ranks and servers now leave on purpose
-            session.shutdown()
+    except JobStopped:
+        shut_down(session, watchdog)
+        raise
+    except BaseException:
+        # A failure may be a dead node's first sign (its engines stop answering): shut down in
+        # order only if every rank still beats, else the watchdog names the dead and ends us.
+        if watchdog.others_alive():
+            shut_down(session, watchdog)
+        raise
+    shut_down(session, watchdog)
     write_end_record(job.log_dir, "completed", "every step ran")
     return result
+
+
+def shut_down(session: Session, watchdog: JobWatchdog) -> None:
+    """Stop every rank in order, unless the watchdogs are already ending them."""
+    if watchdog.recorded_abort() is None:
+        watchdog.announce_shutdown()  # ranks and servers now leave on purpose
+        session.shutdown()
 
 
 def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:

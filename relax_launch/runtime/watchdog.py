@@ -118,6 +118,13 @@ class JobWatchdog:
         """True the first time only: the one caller that reports this rank's end."""
         return self._ended.acquire(blocking=False)
 
+    def store_answers(self) -> bool:
+        try:
+            self.store.check([ABORT_KEY])
+            return True
+        except Exception:  # noqa: BLE001 - any failure means the same here
+            return False
+
     def recorded_abort(self, wait_s: float = 0.0) -> str | None:
         """The abort record, waiting up to ``wait_s`` for another rank to write it."""
         deadline = time.monotonic() + wait_s
@@ -180,6 +187,22 @@ class JobWatchdog:
         self.quiet()
         self.store.set(SHUTDOWN_KEY, "1")
 
+    def others_alive(self) -> bool:
+        """Rank 0, after its program failed: wait until every other rank's heartbeat moves (True:
+        an orderly shutdown can reach them), or until this watchdog has recorded why the job
+        ends (False: a rank or node died, the ranks end by themselves). Bounded by
+        ``liveness_timeout_s``: a rank silent that long is reported as dead meanwhile."""
+        since = time.monotonic()
+        others = [r.rank for r in self.plan.ranks if r.rank != self.rank]
+        deadline = since + self.liveness_timeout_s + 3 * self.interval_s
+        while time.monotonic() < deadline and self._thread.is_alive():
+            if self.recorded_abort() is not None:
+                return False
+            if all(self._seen.get(r, (0, 0.0))[1] > since for r in others):
+                return True
+            time.sleep(self.interval_s / 4)
+        return self.recorded_abort() is None
+
     def _silent_ranks(self) -> str | None:
         now = time.monotonic()
         ranks = [r.rank for r in self.plan.ranks if r.rank != self.rank]
@@ -205,11 +228,7 @@ class JobWatchdog:
         self._store_lost_since = self._store_lost_since or now
         if now - self._store_lost_since < self.liveness_timeout_s:
             return None
-        return (
-            f"{describe_rank(self.plan, self.rank)}: the job's store (on node 0, with rank 0) "
-            f"has not answered for {self.liveness_timeout_s:.0f} s ({type(exc).__name__}): "
-            "node 0 or its torchrun agent died"
-        )
+        return store_lost(self.plan, self.rank, exc, f"for {self.liveness_timeout_s:.0f} s")
 
     def _end(self, reason: str) -> None:
         """Stop this rank's servers, report, and leave the process (see the module docstring)."""
@@ -233,6 +252,15 @@ class JobWatchdog:
         self.quiet()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+
+def store_lost(plan: PlacementPlan, rank: int, exc: BaseException, how_long: str = "") -> str:
+    """Why a rank ends when the job's store, hosted with rank 0, stops answering."""
+    return (
+        f"{describe_rank(plan, rank)}: the job's store (on node 0, with rank 0) has not answered"
+        f"{' ' + how_long if how_long else ''} ({type(exc).__name__}: {exc}): "
+        "node 0 or its torchrun agent died"
+    )
 
 
 def _running(pid: int) -> bool:

@@ -83,6 +83,11 @@ class Node:
         self.started.append(process)
         return process
 
+    def kill_all(self) -> None:
+        """SIGKILLs every process inside the node at once, as when the node itself dies."""
+        if left := _kill_all_in(self.name):
+            raise NetnsError(f"processes {left} in {self.name} survived SIGKILL")
+
     def run(
         self, argv: list[str], timeout_s: float = 30.0, **kwargs: Any
     ) -> subprocess.CompletedProcess[str]:

@@ -113,25 +113,39 @@ def test_two_nodes_each_in_its_own_network_namespace(tmp_path):
 
 
 @needs_netns
-def test_killing_node_1s_agent_ends_node_0(tmp_path):
+@pytest.mark.parametrize(
+    "what",
+    [
+        "node 1's agent",
+        pytest.param("node 1", marks=pytest.mark.slow),  # every process of node 1 at once
+        pytest.param("node 0", marks=pytest.mark.slow),  # the master: the store goes with it
+    ],
+)
+def test_a_dead_node_or_agent_ends_the_whole_job(tmp_path, what):
     with netns.TwoNodeNetwork() as network:
         job = TwoNodeJob(tmp_path, network.nodes, "algorithm.num_steps=1000")
         job.wait_for_steps(2)
-        node1 = psutil.Process(job.agents[1].pid)
-        assert "--node-rank 1" in " ".join(node1.cmdline())  # the agent itself
         began = time.monotonic()
-        node1.send_signal(signal.SIGKILL)
+        if what == "node 1's agent":
+            agent = psutil.Process(job.agents[1].pid)
+            assert "--node-rank 1" in " ".join(agent.cmdline())  # the agent itself
+            agent.send_signal(signal.SIGKILL)
+        else:
+            network.nodes[int(what[-1])].kill_all()
         seconds = job.seconds_until_gone(began)
         codes = job.finish(timeout_s=ALL_GONE_S)
         console = job.consoles()
-    print(f"\nnode 1's agent SIGKILL: both nodes gone in {seconds:.1f} s, exit codes {codes}")
-    assert seconds < ALL_GONE_S and codes[0] != 0, console
-    # whichever rank of node 1 is seen first: both lost their agent
-    assert re.search(
-        r"job failed: rank [23] \((rollout|teacher)\[e0 head\], node 1\): its "
-        r"torchrun agent died",
-        console,
-    ), console
+    print(f"\n{what} SIGKILL: both nodes gone in {seconds:.1f} s, exit codes {codes}")
+    assert seconds < ALL_GONE_S and all(code != 0 for code in codes), console
+    if what == "node 1's agent":  # whichever rank of node 1 looked first names it
+        cause = r"rank [23] \((rollout|teacher)\[e0 head\], node 1\): its torchrun agent died"
+        assert re.search(f"job failed: {cause}", console), console
+    elif what == "node 1":  # nobody on node 1 is left to tell: rank 0 hears nothing from it
+        silent = r"rank [23] \((rollout|teacher)\[e0 head\], node 1\)"  # one or both
+        assert re.search(f"job failed: {silent}.* stopped answering", console), console
+    else:  # node 0's console died with it; node 1's ranks name what they lost
+        log = (job.run_dir / "rank2.log").read_text()
+        assert "the job's store (on node 0, with rank 0) has not answered" in log, log[-2000:]
 
 
 def test_nodes_given_different_configs_refuse_to_start(tmp_path):
