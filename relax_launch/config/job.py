@@ -83,7 +83,7 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> JobConfig:
         problems = _role_usage_problems(self) + _colocation_problems(self) + _engine_problems(self)
-        problems += _batch_problems(self)
+        problems += _batch_problems(self) + _fault_tolerance_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -195,3 +195,20 @@ def _batch_problems(job: JobConfig) -> list[str]:
             f"{t.micro_batch_size}: make it a multiple of {dp * t.micro_batch_size}."
         ]
     return []
+
+
+def _fault_tolerance_problems(job: JobConfig) -> list[str]:
+    """What rollout.fault_tolerance needs: engines of their own, others to take over, and the
+    controller choosing the engine."""
+    if not job.rollout.fault_tolerance:
+        return []
+    needs = []
+    if job.placement.mode != "decoupled":
+        needs.append(f"placement.mode=decoupled (not {job.placement.mode})")
+    if job.rollout.num_engines < 2:
+        needs.append(f"two or more rollout engines (rollout.ranks={job.rollout.ranks} makes one)")
+    if job.gateway.rollout_route_mode != "direct":
+        needs.append("gateway.rollout_route_mode=direct (sglang-router picks engines itself)")
+    if not needs:
+        return []
+    return [f"rollout.fault_tolerance needs {' and '.join(needs)}: set them or turn it off."]

@@ -114,6 +114,13 @@ class RolloutConfig(InferenceRoleConfig):
     model: str | None = Field(
         None, description="Rollout model; default trainer.model (it must match the trainer's)."
     )
+    fault_tolerance: bool = Field(
+        False,
+        description="An engine whose server dies is taken out of routing, its lost generations "
+        "are sent to the other engines, and its rank restarts it (at most 3 times per engine); "
+        "it serves again after the next weight sync. Off: a dead engine ends the job. Needs "
+        "placement.mode=decoupled, two or more rollout engines and rollout_route_mode=direct.",
+    )
 
 
 class StaticRoleConfig(InferenceRoleConfig):

@@ -53,6 +53,7 @@ def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> I
         phase=spec.phase,
         drain_timeout_s=timeout_s,
         vocab_size=json.loads((spec.model_dir / "config.json").read_text()).get("vocab_size"),
+        fault_tolerant=getattr(spec.section, "fault_tolerance", False),
     )
 
 

@@ -41,7 +41,16 @@ log = logging.getLogger("relax_launch.inference")
 KEEPALIVE_S = 4.0
 MAX_CONNECTIONS = 2048  # as many concurrent requests as the gateway's pool takes
 WAIT_MARGIN_S = 30.0  # run()'s default bound, beyond one request's deadline and one retry
+HEALTH_S = 2.0  # an engine that does not answer /health this fast after a dropped request is gone
 BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class EngineUnreachable(InferenceError):
+    """The engine at ``url`` could not be reached or dropped the request (HTTP 502)."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(502, message)
+        self.url = url
 
 
 class ControllerMetrics:
@@ -61,6 +70,12 @@ class ControllerMetrics:
             "Latency of the controller's engine requests.",
             ("role", "endpoint"),
             buckets=BUCKETS_S,
+            registry=self.registry,
+        )
+        self.rerouted = Counter(
+            "relax_controller_engines_lost",
+            "Engines the controller found dead and routed around (rollout.fault_tolerance).",
+            ("role",),
             registry=self.registry,
         )
         self.in_flight = Gauge(
@@ -106,7 +121,7 @@ class EngineClient:
                 problem = vocabulary_problem(ids, self.manager.vocab_size)
                 if problem is not None:
                     raise InferenceError(400, problem)
-                reply = (await self._post(prepared)).json()
+                reply = (await self._post_or_reroute(prepared, path, payload, affinity_key)).json()
             status = 200
             return reply
         except InferenceError as error:
@@ -152,12 +167,46 @@ class EngineClient:
                 504, f"upstream {prepared.url} did not answer within {self.timeout_s:.0f} s"
             ) from None
         except httpx.TransportError as exc:
-            raise InferenceError(
-                502, f"upstream {prepared.url} unavailable: {type(exc).__name__}: {exc}"
+            raise EngineUnreachable(
+                prepared.url, f"upstream {prepared.url} unavailable: {type(exc).__name__}: {exc}"
             ) from None
         if response.status_code >= 400:
             raise InferenceError.of(response)
         return response
+
+    async def _post_or_reroute(
+        self, prepared: Prepared, path: str, payload: dict, affinity_key: str | None
+    ) -> httpx.Response:
+        """``_post``; on a fault-tolerant role, an engine that cannot be reached and fails a
+        health check leaves routing and the request goes to another engine (what it was
+        generating died with it), until none is left (503)."""
+        while True:
+            try:
+                return await self._post(prepared)
+            except EngineUnreachable as error:
+                if not self.manager.fault_tolerant or not await self._engine_died(error):
+                    raise
+            prepared = self._route(path, payload, affinity_key)
+
+    async def _engine_died(self, error: EngineUnreachable) -> bool:
+        """Whether the engine behind ``error`` is gone (then it is out of routing now)."""
+        engine = next((e for e in self.manager.engines if error.url.startswith(e.url)), None)
+        if engine is None:
+            return False
+        try:
+            alive = (await self.http.get(engine.url + "/health", timeout=HEALTH_S)).is_success
+        except httpx.HTTPError:
+            alive = False
+        if not alive and engine.engine_id not in self.manager.lost:
+            log.warning(
+                "%s engine %s is gone (%s): routing around it",
+                self.role,
+                engine.engine_id,
+                error.message,
+            )
+            self.manager.engine_lost(engine.engine_id, error.message)
+            self.metrics.rerouted.labels(self.role).inc()
+        return not alive
 
     async def _judge(self, payload: dict, affinity_key: str | None) -> tuple[dict, str]:
         """The gateway's judge form: chat messages in, ``{"response": text}`` out."""

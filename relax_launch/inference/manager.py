@@ -46,11 +46,15 @@ class InferenceManager:
         phase: str = "serving",
         drain_timeout_s: float = 60.0,
         vocab_size: int | None = None,
+        fault_tolerant: bool = False,
     ) -> None:
         self.role, self.model_id, self.served_model_name = role, model_id, served_model_name
         self.vocab_size = vocab_size  # token ids outside it are refused before the engine
         self.weight_source, self.routing, self.phase = weight_source, routing, phase
         self.drain_timeout_s = drain_timeout_s
+        # an engine that stops answering is routed around until it comes back (rollout only)
+        self.fault_tolerant = fault_tolerant
+        self.lost: dict[str, str] = {}  # engine id -> why it is out of routing
         self.registry_epoch = f"{role}-{uuid.uuid4().hex[:12]}"
         self.engines: list[EngineHandle] = []
         self.router_url: str | None = None
@@ -84,10 +88,14 @@ class InferenceManager:
 
     def weights_committed(self, version: int) -> None:
         """A sync committed ``version``; confirm every engine serves it, then open."""
-        try:
-            served = {e.engine_id: e.weight_version() for e in self.engines}
-        except EngineRequestError as exc:
-            self._fail(f"reading weight_version after sync {version}: {exc}")
+        served = {}
+        for engine in self.serving():
+            try:
+                served[engine.engine_id] = engine.weight_version()
+            except EngineRequestError as exc:
+                if not self.fault_tolerant:
+                    self._fail(f"reading weight_version after sync {version}: {exc}")
+                self.engine_lost(engine.engine_id, f"gone after sync {version}: {exc}")
         stale = {k: v for k, v in served.items() if v != str(version)}
         if stale:
             self._fail(f"engines {stale} do not serve weight_version {version} after the sync")
@@ -98,6 +106,26 @@ class InferenceManager:
         """A sync failed and was rolled back: readiness returns to what it was before."""
         with self._fields:
             self.updating = False
+
+    # ---- engines that die and come back (fault_tolerant) ---------------------------------
+
+    def serving(self) -> list[EngineHandle]:
+        """The engines in routing: all of them but the lost ones."""
+        return [e for e in self.engines if e.engine_id not in self.lost]
+
+    def engine_lost(self, engine_id: str, why: str) -> None:
+        """Take an engine out of routing (its server died) until ``engine_back``."""
+        with self._fields:
+            self.lost.setdefault(engine_id, why)
+
+    def engine_back(self, engine_id: str) -> None:
+        """A lost engine was restarted and takes part in the weight sync about to run: it is
+        routed again once that sync commits (the model is not routable while it runs)."""
+        with self._fields:
+            self.lost.pop(engine_id, None)
+            for engine in self.engines:
+                if engine.engine_id == engine_id:
+                    engine.generation += 1
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -224,7 +252,7 @@ class InferenceManager:
                 self._model_state(),
                 self.weight_version,
                 self.router_url,
-                tuple((e.engine_id, e.url, e.complete, e.generation) for e in self.engines),
+                tuple((e.engine_id, e.url, e.complete, e.generation) for e in self.serving()),
             )
             if self._published is None or key != self._published[0]:
                 self._revision += 1
@@ -240,7 +268,7 @@ class InferenceManager:
                 direct_eligible=True,
                 generation=e.generation,
             )
-            for e in self.engines
+            for e in self.serving()
         )
         model = ModelRecord(
             state=state,

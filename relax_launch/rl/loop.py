@@ -113,7 +113,7 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
             wait_for_rollout(ctx.upcoming, step + 1)
     with timed(ctx.seconds, "sync"):
         reports = ctx.session.sync_weights(step + 1)
-    metrics |= sync_metrics(reports, ctx.seconds["sync"])
+    metrics |= sync_metrics(reports, ctx.seconds["sync"]) | ctx.session.engine_metrics()
     return step_record(ctx, step, batch, metrics, stale)
 
 

@@ -30,6 +30,7 @@ from relax_launch.runtime.distributed import (
     check_shared_directory,
     init_distributed,
 )
+from relax_launch.runtime.engine_restart import EngineRestarts
 from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.session import Session
@@ -161,7 +162,11 @@ def start_watchdog(
         store, plan, rank, stop, liveness_timeout_s=job.cluster.liveness_timeout_s
     )
     for engine in workers:
-        watchdog.watch_process(f"{engine.engine.role} engine {engine.engine.index}", engine.process)
+        restarts = None
+        if engine.engine.role == "rollout" and job.rollout.fault_tolerance:
+            restarts = EngineRestarts(store, engine, job.cluster.startup_timeout_s)
+        what = f"{engine.engine.role} engine {engine.engine.index}"
+        watchdog.watch_engine(what, lambda engine=engine: engine.process, restarts)
         watchdog.closers.append(engine.close)
     if rank == 0:
         watchdog.on_end = lambda reason: end_in_failure(job, reason)
@@ -251,8 +256,9 @@ def run_controller(
     except BaseException:
         # A failure may be a dead node's first sign (its engines stop answering): shut down in
         # order only if every rank still beats, else the watchdog names the dead and ends us.
-        if watchdog.others_alive():
-            shut_down(session, watchdog)
+        if not watchdog.others_alive():
+            watchdog.end_for_recorded_cause()  # as its thread would: this failure followed it
+        shut_down(session, watchdog)
         raise
     shut_down(session, watchdog)
     write_end_record(job.log_dir, "completed", "every step ran")

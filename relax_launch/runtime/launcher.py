@@ -21,10 +21,11 @@ from relax_launch.inference.server import free_port
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import rank_log_path
-from relax_launch.runtime.stop import END_RECORD, EXIT_STOPPED, read_end_record
+from relax_launch.runtime.stop import END_RECORD, EXIT_ABORTED, EXIT_STOPPED, read_end_record
 
 ENTRY_MODULE = "relax_launch.launch"  # what `relax-launch run` starts on every rank
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+_FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 LOG_TAIL_LINES = 30
 GROUP_EXIT_S = 45.0  # torchrun gives its ranks 30 s after SIGTERM, then kills them
 
@@ -53,9 +54,16 @@ def torchrun_command(
 
 
 def failed_rank(output: str) -> tuple[int, int] | None:
-    """(rank, exit code) of the first failure in torchrun's summary."""
+    """(rank, exit code) of the first failure in torchrun's summary, unless that rank only
+    followed another's: a rank its watchdog ended (``EXIT_ABORTED``) may leave before the rank
+    whose death it saw is reaped, so torchrun can observe it first."""
     match = _ROOT_CAUSE.search(output)
-    return None if match is None else (int(match.group(1)), int(match.group(2)))
+    if match is None:
+        return None
+    root = (int(match.group(1)), int(match.group(2)))
+    summary = output[output.rfind("Failures:", 0, match.start()) : match.end()]
+    causes = [(int(r), int(c)) for r, c in _FAILURE.findall(summary) if int(c) != EXIT_ABORTED]
+    return root if root[1] != EXIT_ABORTED or not causes else causes[0]
 
 
 def explain_failure(plan: PlacementPlan, output: str) -> str | None:

@@ -21,6 +21,7 @@ from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.control import Command, ControlChannel, Handler, RemoteError, Shutdown
 from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.runtime.engine_restart import RolloutMembership
 from relax_launch.runtime.startup import (
     FIRST_SYNC,
     SYNC_GROUPS,
@@ -161,6 +162,8 @@ class Session:
         self.sync_targets: list[EngineTarget] = []
         self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
+        self.membership: RolloutMembership | None = None  # rollout.fault_tolerance only
+        self._sync_groups = 0  # broadcast groups formed so far (each one is named anew)
         self.trainer = TrainerClient(channel, shards, plan.trainer, handlers)
 
     def _call(
@@ -191,33 +194,65 @@ class Session:
                 self.control_plane.attach(role, urls, self.startup_timeout_s)
         return self.engine_urls
 
-    def connect_weight_sync(self) -> None:
-        """Each pipeline stage's source rank forms its broadcast group with the rollout engines."""
+    def connect_weight_sync(self, members: tuple[int, ...] | None = None) -> None:
+        """Each pipeline stage's source rank forms its broadcast group with the rollout engines
+        (``members``: these engines only, in a new group, after one died or came back)."""
         urls = self.engine_urls.get("rollout") or self.wait_for_engines()["rollout"]
         rollout = self.plan.engines_of("rollout")
+        members = tuple(range(len(rollout))) if members is None else members
         # An engine with one rank holds q/k/v and gate/up fused: send them so, received in place.
         fused = all(e.tp_size == 1 and e.pp_size == 1 for e in rollout)
+        self.sync_targets, offset = [], 1  # the source is rank 0 of each group
+        for index in members:
+            engine = rollout[index]
+            label = f"rollout engine {index} (rank {engine.head_rank})"
+            self.sync_targets.append(EngineTarget(urls[index], offset, label, engine.tp_size))
+            offset += len(engine.ranks)
+        self._sync_groups += 1
         for group in self.plan.weight_sync_groups:  # every group reaches the same engines
-            self.sync_targets = [
-                EngineTarget(
-                    urls[index],
-                    offset,
-                    f"rollout engine {index} (rank {rollout[index].head_rank})",
-                    rollout[index].tp_size,
-                )
-                for index, offset in group.engine_rank_offsets
-            ]
             command = ConnectWeights(
                 pp_rank=group.pp_rank,
                 targets=tuple(self.sync_targets),
-                world_size=group.world_size,
+                world_size=offset,
                 fused=fused,
                 colocated=self.plan.mode in ("split", "defer"),
                 seconds_left=self.weight_sync_timeout_s,
+                generation=self._sync_groups,
             )
             self._call(command, [group.source_rank], self.weight_sync_timeout_s + REPLY_MARGIN_S)
+        manager = self.control_plane.managers["rollout"] if self.control_plane else None
+        if self.membership is None and manager is not None and manager.fault_tolerant:
+            self.membership = RolloutMembership(self.channel.store, manager)
+        if self.membership is not None:
+            self.membership.synced = members
+
+    def engine_metrics(self) -> dict[str, float]:
+        """Rollout engines serving and restarts taken back (``rollout.fault_tolerance``)."""
+        return self.membership.metrics() if self.membership is not None else {}
 
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
+        """``sync_once``; under ``rollout.fault_tolerance`` it syncs the engines that serve, and
+        once more without any engine that died during the sync."""
+        if self.membership is None:
+            return self.sync_once(weight_version)
+        try:
+            return self._sync_serving(weight_version)
+        except (WeightSyncError, EngineRequestError, RemoteError) as exc:
+            if not (dead := self.membership.drop_dead()):
+                raise
+            operator_log().warning(
+                f"relax-launch: rollout engines {dead} died during the sync to version "
+                f"{weight_version} ({type(exc).__name__}); syncing again without them"
+            )
+        return self._sync_serving(weight_version)
+
+    def _sync_serving(self, weight_version: int) -> list[dict[str, Any]]:
+        if members := self.membership.before_sync():  # engines died or came back
+            operator_log().warning(self.membership.describe(members, weight_version))
+            self.connect_weight_sync(members)
+        return self.sync_once(weight_version)
+
+    def sync_once(self, weight_version: int) -> list[dict[str, Any]]:
         """Push the trainer's weights to every rollout engine as ``weight_version``, all or
         nothing, within ``weight_sync.timeout_s`` for the whole sync: one update session per
         engine, every pipeline stage streams into it with one request per engine that sets the
@@ -235,13 +270,13 @@ class Session:
             rollout.weights_updating()
         try:
             began = time.monotonic()
-            engines.open()
-            control_s = time.monotonic() - began
             try:
+                engines.open()
+                control_s = time.monotonic() - began
                 replies = self._send_or_restore(replica0, deadline, weight_version)
             except BaseException:
                 with contextlib.suppress(EngineRequestError, WeightSyncError):
-                    engines.close()  # keep the sync's own error
+                    engines.close()  # on every engine it opened on; keep the sync's own error
                 raise
             began = time.monotonic()
             engines.close()

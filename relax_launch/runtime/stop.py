@@ -34,6 +34,7 @@ STOP_FILE = "STOP"
 STOP_KEY = "stop"
 FAILURE_NOTICE_S = 2.0  # > the watchdog's tick: time for a neighbour's death to be recorded
 EXIT_STOPPED = 75  # EX_TEMPFAIL: the job stopped before its last step and can be resumed
+EXIT_ABORTED = 3  # a rank its watchdog ended (the cause is in the job's abort record)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
-from relax_launch.runtime.stop import StopRequest
+from relax_launch.runtime.engine_restart import EngineRestarts
+from relax_launch.runtime.stop import EXIT_ABORTED, StopRequest
 
 ABORT_KEY = "abort"
 SHUTDOWN_KEY = "shutdown"
-EXIT_ABORTED = 3  # a rank ended by the watchdog (the cause is in the abort record)
 log = logging.getLogger(__name__)
 
 
@@ -69,7 +69,8 @@ class JobWatchdog:
         self.store, self.plan, self.rank, self.stop = store, plan, rank, stop
         self.liveness_timeout_s, self.interval_s = liveness_timeout_s, interval_s
         self.parent = os.getppid()
-        self.processes: list[tuple[str, Any]] = []  # (what, subprocess.Popen) to watch
+        # (what, its server's current Popen, who restarts it or None) for each engine headed here
+        self.engines: list[tuple[str, Callable[[], Any], EngineRestarts | None]] = []
         self.closers: list[Callable[[], None]] = []  # stop this rank's servers before leaving
         self.on_end: Callable[[str], None] = lambda reason: None
         self.watch_ranks = False  # rank 0, once every rank has joined
@@ -97,9 +98,12 @@ class JobWatchdog:
             self.siblings = {r: int(pid) for r, pid in zip(others, pids, strict=True)}
         self.watch_ranks = self.rank == 0
 
-    def watch_process(self, what: str, process: Any) -> None:
-        """Abort the job if ``process`` (a started Popen) exits while the job runs."""
-        self.processes.append((what, process))
+    def watch_engine(
+        self, what: str, process: Callable[[], Any], restarts: EngineRestarts | None = None
+    ) -> None:
+        """If the server (``process()``, a started Popen) exits while the job runs, abort the
+        job, or have ``restarts`` start it again."""
+        self.engines.append((what, process, restarts))
 
     def quiet(self) -> None:
         """The rank is stopping its own servers: their exits are no longer failures."""
@@ -173,12 +177,23 @@ class JobWatchdog:
         for r, pid in self.siblings.items():
             if not _running(pid):
                 return f"{describe_rank(self.plan, r)} died (process {pid})"
-        for what, process in self.processes:
-            code = process.poll()
+        for what, process, restarts in self.engines:
+            if restarts is not None and restarts.failure:
+                return restarts.failure
+            if restarts is not None and restarts.pending:  # it is starting again
+                continue
+            code = process().poll()
             stopping = self._quiet.is_set() or self.stop.local or self.stop.job
-            if code is not None and not stopping:  # a stop signal may reach the servers too
-                where = describe_rank(self.plan, self.rank)
-                return f"{what} on {where}: its SGLang server {describe_exit(code)}"
+            if code is None or stopping:  # a stop signal may reach the servers too
+                continue
+            died = f"{what} on {describe_rank(self.plan, self.rank)}: its SGLang server " + (
+                describe_exit(code)
+            )
+            if restarts is None:
+                return died
+            log.warning("relax-launch: %s; restarting it", died)
+            if refused := restarts.restart(died):
+                return refused
         return None
 
     def announce_shutdown(self) -> None:
@@ -202,6 +217,11 @@ class JobWatchdog:
                 return True
             time.sleep(self.interval_s / 4)
         return self.recorded_abort() is None
+
+    def end_for_recorded_cause(self) -> None:
+        """End this rank now for the job's recorded cause, as the watchdog's thread does when
+        it reads it (see ``_end``); never returns."""
+        self._end(self.recorded_abort() or f"{describe_rank(self.plan, self.rank)} failed")
 
     def _silent_ranks(self) -> str | None:
         now = time.monotonic()

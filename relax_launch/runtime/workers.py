@@ -84,6 +84,7 @@ class ConnectWeights(Command):
     fused: bool
     colocated: bool
     seconds_left: float
+    generation: int = 1  # the job's n-th group of this stage: a re-formed group gets a new name
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,10 @@ class TrainerWorker:
         choose a transport that skips the network."""
         self.fused = command.fused
         self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(self.fused)]
+        committed = []
+        if self.sender is not None:  # engines died or came back: the old group goes
+            committed = self.sender.committed  # still the rollback copy of the live engines
+            self.sender.close()
         shared = (
             command.colocated
             and platform.colocated_weight_transport(self.device) == "shared_memory"
@@ -186,11 +191,12 @@ class TrainerWorker:
         self.sender = (SharedMemorySender if shared else WeightSender)(
             targets=list(command.targets),
             world_size=command.world_size,
-            group_name=f"relax-weights-pp{command.pp_rank}",
+            group_name=f"relax-weights-pp{command.pp_rank}-{command.generation}",
             host=self.host,
             port=free_port(self.host),
             backend=platform.dist_backend(self.device),
         )
+        self.sender.committed = committed
         self.sender.connect(command.seconds_left)
 
     def send(self, command: SendWeights) -> dict[str, Any] | None:

@@ -19,6 +19,10 @@ class EngineRequestError(RuntimeError):
     """An engine answered a control request with an error, or not at all."""
 
 
+class EngineUnreachable(EngineRequestError):
+    """The engine refused the connection or dropped it: its server is gone (not merely slow)."""
+
+
 class EngineControl:
     """Blocking and background POSTs to engines over kept-alive connections."""
 
@@ -43,7 +47,9 @@ def _call(method: Any, where: str, **kwargs: Any) -> Any:
     try:
         response = method(where, **kwargs)
     except httpx.HTTPError as exc:  # connection refused/reset, timeout
-        raise EngineRequestError(f"{where}: {type(exc).__name__}: {exc}") from None
+        gone = isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
+        error = EngineUnreachable if gone else EngineRequestError
+        raise error(f"{where}: {type(exc).__name__}: {exc}") from None
     if response.status_code >= 400:
         raise EngineRequestError(
             f"{where}: HTTP {response.status_code}: {response.content[:500]!r}"

@@ -31,7 +31,11 @@ import torch
 import torch.distributed as dist
 
 from relax_launch import platform
-from relax_launch.weights.engine_client import EngineControl, EngineRequestError
+from relax_launch.weights.engine_client import (
+    EngineControl,
+    EngineRequestError,
+    EngineUnreachable,
+)
 from relax_launch.weights.receiver import IN_PLACE, broadcast_plan, nbytes
 from relax_launch.weights.update_session import (
     Deadline,
@@ -166,7 +170,11 @@ class WeightSender:
         except (EngineRequestError, RuntimeError) as exc:
             for _ in tensors:  # finish the export: the other TP ranks are still gathering
                 pass
-            raise WeightSyncError(f"sending version {weight_version} failed: {exc}") from exc
+            failed = f"sending version {weight_version} failed: {exc}"
+            if isinstance(exc, EngineUnreachable):
+                self._drop_group()
+                failed += "; an engine is gone, so this broadcast group was dropped"
+            raise WeightSyncError(failed) from exc
         self._delivered()
         self.sent = sent
         return SyncReport(
@@ -258,9 +266,10 @@ class WeightSender:
                 return time.monotonic() - began
             except RuntimeError:  # not complete yet: is an engine still receiving?
                 for target, call in zip(self.targets, calls, strict=True):
-                    if call.done() and call.exception() is not None:
-                        raise EngineRequestError(
-                            f"{target.label} refused the update: {call.exception()}"
+                    if call.done() and (error := call.exception()) is not None:
+                        kind = type(error) if isinstance(error, EngineRequestError) else None
+                        raise (kind or EngineRequestError)(
+                            f"{target.label} refused the update: {error}"
                         ) from None
 
     def commit(self) -> None:
@@ -297,6 +306,10 @@ class WeightSender:
         checkpoint)."""
         self.wait_for_rollback_copy()
         self.sent = []
+        if self.group is None:
+            raise WeightSyncError(
+                "the broadcast group was dropped after an engine died: it must be formed again"
+            )
         if not self.committed:
             return False
         manifest = [TensorSpec.of(name, tensor) for name, tensor in self.committed]
@@ -305,19 +318,23 @@ class WeightSender:
         self.sent = []
         return True
 
+    def _drop_group(self) -> None:
+        """Leave the broadcast group at once: an engine of it died mid-sync, so the others wait
+        for tensors that will never come; this side closing its connections ends their wait."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     def close(self) -> None:
         self.wait_for_rollback_copy()
-        if self.group is None:
-            return
         for target in self.targets:
             try:
                 self.control.post(
                     target.url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30
                 )
             except EngineRequestError:
-                pass  # the engine is gone or stopping: nothing left to tear down there
-        dist.destroy_process_group(self.group)
-        self.group = None
+                pass  # the engine is gone or stopping, or never joined: nothing to tear down
+        self._drop_group()
         self.control.close()
 
 

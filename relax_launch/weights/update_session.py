@@ -75,4 +75,5 @@ def await_all(
         try:
             result(call, deadline.left(what))
         except (EngineRequestError, WeightSyncError) as exc:
-            raise EngineRequestError(f"{target.label} failed {what}: {exc}") from None
+            error = type(exc) if isinstance(exc, EngineRequestError) else EngineRequestError
+            raise error(f"{target.label} failed {what}: {exc}") from None

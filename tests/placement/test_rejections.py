@@ -162,6 +162,18 @@ CASES = {
         ["algorithm.distill_coef is 0"],
     ),
     "distillation without a teacher": (["algorithm.distill_coef=0.5"], ["needs a teacher"]),
+    "fault tolerance with one rollout engine": (
+        ["rollout.fault_tolerance=true", "rollout.ranks_per_engine=2"],
+        ["rollout.fault_tolerance needs two or more rollout engines (rollout.ranks=2 makes one)"],
+    ),
+    "fault tolerance behind sglang-router": (
+        ["rollout.fault_tolerance=true", "gateway.rollout_route_mode=router"],
+        ["rollout.fault_tolerance needs gateway.rollout_route_mode=direct"],
+    ),
+    "fault tolerance colocated": (
+        [*SPLIT, "rollout.fault_tolerance=true"],
+        ["rollout.fault_tolerance needs placement.mode=decoupled (not split)"],
+    ),
     "genrm reward without genrm": (JUDGE, ["no genrm section"]),
     "genrm configured but unused": (
         [*GENRM, "genrm.ranks=1", "rollout.ranks=1"],

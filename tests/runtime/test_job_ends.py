@@ -9,8 +9,10 @@ process is gone are printed (``-s``) for the operations table in docs/operations
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +66,21 @@ class Job:
             if what == "engine" and "sglang.launch_server" in command:
                 return p
         raise LookupError(f"no {what} process among {self.describe()}")
+
+    def rows(self) -> list[dict]:
+        """The metrics rows written so far (a line still being written is not one yet)."""
+        path = self.run_dir / "metrics.jsonl"
+        complete = path.read_text().split("\n")[:-1] if path.is_file() else []
+        return [json.loads(line) for line in complete]
+
+    def wait_for_row(self, condition, timeout_s: float = 300) -> int:
+        """The step of the first metrics row for which ``condition`` holds, once written."""
+        deadline = time.monotonic() + timeout_s
+        while not (found := [row["step"] for row in self.rows() if condition(row)]):
+            assert self.process.poll() is None, self.finish()[1]
+            assert time.monotonic() < deadline, f"no such row within {timeout_s} s"
+            time.sleep(0.2)
+        return found[0]
 
     def describe(self) -> list[str]:
         return [f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in processes_tagged(self.tag)]
@@ -163,3 +180,40 @@ def test_a_stop_anywhere_checkpoints_and_exits_75(tmp_path, what, signum):
     assert seconds < ALL_GONE_S
     if what != "cli":  # a killed command has no exit code of its own to give
         assert code == STOPPED, console
+
+
+def test_a_dead_rollout_engine_restarts_and_the_job_goes_on(tmp_path):
+    """rollout.fault_tolerance with two engines: one engine's server is killed (its whole
+    process group, as when it crashes) after step 3. The generations it lost are made by the
+    other engine, its rank restarts it, the first sync after it is ready gives it the current
+    weights, and no step is lost; then the job is stopped (exit 75)."""
+    job = Job(
+        tmp_path, "cluster.nproc_per_node=3", "rollout.ranks=2", "rollout.fault_tolerance=true"
+    )
+    try:
+        job.wait_for_steps(3)
+        os.killpg(job.target("engine").pid, signal.SIGKILL)
+        began = time.monotonic()
+        back = job.wait_for_row(lambda row: row.get("rollout/engine_restarts") == 1)
+        print(
+            f"\nrollout engine SIGKILL: serving again at step {back} after "
+            f"{time.monotonic() - began:.1f} s"
+        )
+        job.wait_for_steps(back + 2)
+        (job.run_dir / "STOP").touch()
+        code, out, err = job.finish()
+    finally:
+        if job.process.poll() is None:
+            os.killpg(job.process.pid, signal.SIGKILL)
+            job.process.wait()
+    assert code == STOPPED, out + err
+    rows = job.rows()
+    assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))  # none lost
+    assert all(row["weight_version"] == row["step"] - 1 for row in rows)  # never stale
+    serving = [int(row["rollout/engines_serving"]) for row in rows]
+    runs = [(n, len(list(group))) for n, group in itertools.groupby(serving)]
+    print(f"engines serving (count, for so many steps): {runs}")
+    assert serving[:3] == [2, 2, 2] and 1 in serving, serving  # it left routing ...
+    assert serving[-1] == 2 and rows[-1]["rollout/engine_restarts"] == 1, serving  # ... came back
+    logs = "".join(p.read_text() for p in job.run_dir.glob("rank*.log"))
+    assert re.search(r"rollout engine \d on rank \d .*killed by SIGKILL; restarting it", logs)

@@ -39,6 +39,22 @@ def test_exit_code_names_rank_and_role():
     assert text == "rank 1 (trainer[tp0 pp0 dp1]) exited with code 1"
 
 
+def test_a_rank_its_watchdog_ended_is_not_the_cause_even_when_observed_first():
+    # rank 1 saw rank 3 die and left (exit 3) before torchrun reaped rank 3
+    other = """
+Failures:
+[1]:
+  time      : 2026-12-02_11:23:51
+  host      : localhost
+  rank      : 3 (local_rank: 3)
+  exitcode  : -9 (pid: 13391)
+------------------------------------------------------------"""
+    text = explain_failure(quickstart_plan(), other + SUMMARY.format(rank=1, code=3))
+    assert text == "rank 3 (rollout[e1 head]) was killed by SIGKILL"
+    alone = explain_failure(quickstart_plan(), SUMMARY.format(rank=1, code=3))
+    assert alone == "rank 1 (trainer[tp0 pp0 dp1]) exited with code 3"  # nothing better known
+
+
 def test_no_summary_no_explanation():
     assert explain_failure(quickstart_plan(), "all good") is None
 

@@ -4,15 +4,18 @@ refuses an update fails the sync at once and keeps serving what it had."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from relax_launch.inference.server import free_port
+from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.trainer.hf_conversion import fuse_for_engine
-from relax_launch.weights.engine_client import get_json, post
+from relax_launch.weights.engine_client import EngineRequestError, get_json, post
 from relax_launch.weights.shared_memory import SHM_DIR, SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import (
@@ -135,3 +138,63 @@ def test_a_colocated_export_that_does_not_match_never_reaches_the_engine(tiny_se
     assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == label
     assert next_token(tiny_server.url)[0] == before  # no tensor of the failed sync was loaded
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith("relax-launch-mismatch-test")]
+
+
+def test_an_engine_dying_mid_sync_fails_it_at_once_and_frees_the_others(
+    tiny_server, tiny_model, tmp_path
+):
+    """An engine killed while the weights stream fails the sync within seconds, and the engine
+    that was receiving beside it is not left waiting for tensors that will never come: a new
+    group with it alone syncs (what ``rollout.fault_tolerance`` does next)."""
+    weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
+    manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
+    label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
+    victim = SGLangServer(
+        model_path=tiny_model,
+        device="cpu",
+        log_path=tmp_path / "victim.log",
+        engine={"max_total_tokens": 2048},
+    )
+    victim.start(timeout_s=240)
+    sender = WeightSender(
+        targets=[
+            EngineTarget(tiny_server.url, 1, "survivor"),
+            EngineTarget(victim.url, 2, "victim"),
+        ],
+        world_size=3,
+        group_name="mid-sync-death",
+        host="127.0.0.1",
+        port=free_port(),
+        backend="gloo",
+    )
+
+    def export_that_loses_the_victim():
+        for index, (name, tensor) in enumerate(weights.items()):
+            if index == len(weights) // 2:
+                os.killpg(victim.pid, signal.SIGKILL)  # as when the engine crashes
+            yield name, tensor
+
+    try:
+        sender.connect(60)
+        engines = UpdateSession(sender.targets, Deadline(120), sender.control)
+        engines.open()
+        began = time.monotonic()
+        with pytest.raises(WeightSyncError, match="an engine is gone"):
+            sender.send(export_that_loses_the_victim(), manifest, 5, timeout_s=120)
+        failed_after_s = time.monotonic() - began
+        with contextlib.suppress(EngineRequestError):
+            engines.close()
+        sender.close()
+        again = connected(WeightSender, tiny_server.url, "after-the-death")
+        sync(again, weights, 6)
+        again.close()
+        recovered_after_s = time.monotonic() - began
+        print(
+            f"\nsync failed {failed_after_s:.1f} s after the engine died; the survivor took the "
+            f"next version in a new group {recovered_after_s:.1f} s after it"
+        )
+        assert failed_after_s < 10 and recovered_after_s < 20  # left waiting, it takes minutes
+        assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == "6"
+    finally:
+        victim.stop()
+        post(tiny_server.url, "/update_weight_version", {"new_version": label}, 30)

@@ -1,0 +1,136 @@
+"""Rollout engines that come back (``rollout.fault_tolerance``).
+
+The head rank's side (``EngineRestarts``): when a rollout engine's SGLang server dies, the
+head's watchdog restarts it instead of ending the job. It stops what is left of the server and
+launches it again on the same port, from the watchdog's own thread, so the server still dies
+with the rank (``PR_SET_PDEATHSIG`` follows the thread that started it); a helper thread waits
+for its first token. Both are counted in the job's store: ``engine_down/rollout/<index>`` when
+a restart begins, ``engine_up/rollout/<index>`` when the server is ready again. A server that
+fails to start, or dies more than ``MAX_RESTARTS`` times, ends the job as it would without
+fault tolerance.
+
+Rank 0's side (``RolloutMembership``): meanwhile the controller routes around the engine
+(``inference/inprocess.py``); before each weight sync it reads the counts, and when engines left
+or came back the trainer forms new broadcast groups with the engines that serve
+(``runtime/session.py``). A restarted engine receives the current weights in that sync and is
+routed again only once it commits.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from relax_launch.weights.engine_client import EngineRequestError, get_json
+
+MAX_RESTARTS = 3  # per engine and job: a server that keeps dying has a cause restarts won't fix
+
+
+def engine_key(event: str, role: str, index: int) -> str:
+    """Where an engine's head counts its restarts: ``down`` (begun) and ``up`` (ready again)."""
+    return f"engine_{event}/{role}/{index}"
+
+
+class EngineRestarts:
+    """Restarts one engine's server (an ``EngineWorker``) for its head rank's watchdog."""
+
+    def __init__(self, store: Any, worker: Any, timeout_s: float) -> None:
+        self.store, self.worker, self.timeout_s = store, worker, timeout_s
+        self.count = 0
+        self.pending = False  # launched again, not ready yet
+        self.failure: str | None = None  # why the job must end after all
+
+    def restart(self, died: str) -> str | None:
+        """The server died (``died`` says how): start it again. Returns why the job must end
+        instead, or None. Called on the watchdog's thread."""
+        if self.count >= MAX_RESTARTS:
+            return f"{died}, for the {self.count + 1}th time ({MAX_RESTARTS} restarts allowed)"
+        self.count += 1
+        self.pending = True
+        engine = self.worker.engine
+        self.store.set(engine_key("down", engine.role, engine.index), str(self.count))
+        self.worker.server.stop()  # what is left of it: its scheduler may outlive the launcher
+        self.worker.launch()
+        threading.Thread(
+            target=self._wait_ready, args=(died,), name="relax-engine-restart", daemon=True
+        ).start()
+        return None
+
+    def _wait_ready(self, died: str) -> None:
+        engine = self.worker.engine
+        try:
+            self.worker.wait_ready(self.timeout_s)
+            self.store.set(engine_key("up", engine.role, engine.index), str(self.count))
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the engine is not coming back
+            self.failure = f"{died}; restarting it failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.pending = False
+
+
+class RolloutMembership:
+    """Rank 0: which rollout engines take the next weight sync, from the heads' counts and the
+    engines the controller found dead (``InferenceManager.lost``)."""
+
+    def __init__(self, store: Any, manager: Any) -> None:
+        self.store, self.manager = store, manager
+        self.synced: tuple[int, ...] | None = None  # the engines of the current broadcast groups
+        self.up = [0] * len(manager.engines)  # restarts taken back, per engine
+        self.restarts = 0
+
+    def before_sync(self) -> tuple[int, ...] | None:
+        """The engines (indices) the next sync goes to when they differ from the last one's,
+        else None. A restarting engine leaves routing; a restarted one comes back into it (it
+        is not routable before the sync commits)."""
+        came_back = False
+        for index, engine in enumerate(self.manager.engines):
+            down, up = (self._count(event, index) for event in ("down", "up"))
+            if down > up:
+                self.manager.engine_lost(engine.engine_id, "its server is restarting")
+            elif up > self.up[index]:  # even one never seen lost: it left its broadcast group
+                self.restarts += up - self.up[index]
+                self.up[index], came_back = up, True
+                self.manager.engine_back(engine.engine_id)
+        serving = {e.engine_id for e in self.manager.serving()}
+        members = tuple(i for i, e in enumerate(self.manager.engines) if e.engine_id in serving)
+        if not members:
+            raise RuntimeError("every rollout engine is down; none is left to sync or serve")
+        changed = came_back or members != self.synced
+        self.synced = members
+        return members if changed else None
+
+    def drop_dead(self) -> list[int]:
+        """After a failed sync: the serving engines that do not answer ``/health`` leave
+        routing; returns their indices."""
+        dead, serving = [], {e.engine_id for e in self.manager.serving()}
+        for index, engine in enumerate(self.manager.engines):
+            if engine.engine_id in serving and not _healthy(engine.url):
+                self.manager.engine_lost(engine.engine_id, "it died during a weight sync")
+                dead.append(index)
+        return dead
+
+    def describe(self, members: tuple[int, ...], weight_version: int) -> str:
+        """The operator's line when the engines of the next sync changed."""
+        left = [i for i in range(len(self.manager.engines)) if i not in members]
+        which = f"rollout engines {list(members)} take" if left else "every rollout engine takes"
+        line = f"relax-launch: {which} weight version {weight_version}"
+        if left:
+            line += f"; engines {left} are out of routing while they restart"
+        return f"{line} ({self.restarts} restarted so far)"
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/engines_serving": float(len(self.manager.serving())),
+            "rollout/engine_restarts": float(self.restarts),
+        }
+
+    def _count(self, event: str, index: int) -> int:
+        key = engine_key(event, "rollout", index)
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+
+def _healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        get_json(url, "/health", timeout_s)
+        return True
+    except EngineRequestError:
+        return False

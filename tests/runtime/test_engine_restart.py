@@ -1,0 +1,107 @@
+"""RolloutMembership: which rollout engines take the next weight sync, from the restart counts
+the engine heads publish and the engines the controller lost (this module's logic, with a
+dict for the job's store; the real job is in test_job_ends.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax_launch.inference.discovery import RoutingSpec, WeightSource
+from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.runtime.engine_restart import RolloutMembership, engine_key
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+
+def rollout(engines: int) -> InferenceManager:
+    manager = InferenceManager(
+        role="rollout",
+        model_id="m",
+        served_model_name="/models/m",
+        weight_source=WeightSource.TRAINER,
+        routing=RoutingSpec(default_model="m"),
+        fault_tolerant=True,
+    )
+    manager.attach(
+        [EngineHandle(f"m/{i}", f"http://10.0.0.{i}:1", "rollout", False) for i in range(engines)]
+    )
+    return manager
+
+
+def membership(engines: int = 3) -> tuple[RolloutMembership, DictStore, InferenceManager]:
+    store, manager = DictStore(), rollout(engines)
+    members = RolloutMembership(store, manager)
+    members.synced = tuple(range(engines))  # as the first connect leaves it
+    return members, store, manager
+
+
+def serving(manager: InferenceManager) -> list[str]:
+    return [e.engine_id for e in manager.serving()]
+
+
+def test_nothing_changed_keeps_the_groups():
+    members, _, manager = membership()
+    assert members.before_sync() is None
+    assert members.metrics() == {"rollout/engines_serving": 3.0, "rollout/engine_restarts": 0.0}
+
+
+def test_a_lost_engine_leaves_routing_and_the_next_sync_and_comes_back_once_restarted():
+    members, store, manager = membership()
+    manager.engine_lost("m/1", "connection refused")
+    assert [e.engine_id for e in manager.snapshot().models["m"].engines] == ["m/0", "m/2"]
+    assert members.before_sync() == (0, 2)  # new groups without it
+    store.set(engine_key("down", "rollout", 1), "1")  # its head restarts it
+    assert members.before_sync() is None and serving(manager) == ["m/0", "m/2"]
+    store.set(engine_key("up", "rollout", 1), "1")  # ready again
+    assert members.before_sync() == (0, 1, 2)
+    assert serving(manager) == ["m/0", "m/1", "m/2"]
+    assert manager.engines[1].generation == 2  # a new engine behind the same id
+    assert members.metrics() == {"rollout/engines_serving": 3.0, "rollout/engine_restarts": 1.0}
+    assert members.before_sync() is None
+
+
+def test_an_engine_restarting_before_the_controller_noticed_leaves_the_sync():
+    members, store, manager = membership()
+    store.set(engine_key("down", "rollout", 2), "1")
+    assert members.before_sync() == (0, 1) and serving(manager) == ["m/0", "m/1"]
+
+
+def test_an_engine_that_died_and_came_back_between_two_syncs_gets_new_groups():
+    members, store, _ = membership()
+    store.set(engine_key("down", "rollout", 0), "1")
+    store.set(engine_key("up", "rollout", 0), "1")
+    assert members.before_sync() == (0, 1, 2)  # same engines, but engine 0 left its group
+    assert members.restarts == 1
+
+
+def test_no_engine_left_is_an_error():
+    members, _, manager = membership(2)
+    manager.engine_lost("m/0", "gone")
+    manager.engine_lost("m/1", "gone")
+    with pytest.raises(RuntimeError, match="every rollout engine is down"):
+        members.before_sync()
+
+
+def test_the_operator_line_names_the_engines_of_the_sync():
+    members, _, manager = membership()
+    line = members.describe((0, 2), 7)
+    assert line == (
+        "relax-launch: rollout engines [0, 2] take weight version 7; engines [1] are out of "
+        "routing while they restart (0 restarted so far)"
+    )
+    assert members.describe((0, 1, 2), 8).startswith(
+        "relax-launch: every rollout engine takes weight version 8"
+    )
