@@ -47,6 +47,9 @@ class RecordingSession:
         self.record("train-end")
         return {"loss": 0.0}
 
+    def engine_metrics(self) -> dict[str, float]:
+        return {}
+
     def sync_weights(self, version: int) -> list[dict[str, float]]:
         self.synced_while_generating |= self.generating.is_set()
         self.engine_version = version
