@@ -49,8 +49,12 @@ class EngineRestarts:
         self.pending = True
         engine = self.worker.engine
         self.store.set(engine_key("down", engine.role, engine.index), str(self.count))
-        self.worker.server.stop()  # what is left of it: its scheduler may outlive the launcher
-        self.worker.launch()
+        try:
+            self.worker.server.stop()  # what is left of it: its scheduler may outlive its launcher
+            self.worker.launch()
+        except Exception as exc:  # noqa: BLE001 - not started again: the job ends as without
+            self.pending = False
+            return f"{died}; restarting it failed: {type(exc).__name__}: {exc}"
         threading.Thread(
             target=self._wait_ready, args=(died,), name="relax-engine-restart", daemon=True
         ).start()

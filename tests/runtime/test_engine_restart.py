@@ -1,15 +1,18 @@
-"""RolloutMembership: which rollout engines take the next weight sync, from the restart counts
-the engine heads publish and the engines the controller lost (this module's logic, with a
-dict for the job's store; the real job is in test_job_ends.py)."""
+"""EngineRestarts (an engine head restarts its dead server, counting it) and RolloutMembership
+(which rollout engines take the next weight sync, from those counts and the engines the
+controller lost): this module's logic, with a dict for the job's store and a worker that starts
+at once; the real job is in test_job_ends.py."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.manager import InferenceManager
-from relax_launch.runtime.engine_restart import RolloutMembership, engine_key
+from relax_launch.runtime.engine_restart import EngineRestarts, RolloutMembership, engine_key
 
 
 class DictStore:
@@ -105,3 +108,53 @@ def test_the_operator_line_names_the_engines_of_the_sync():
     assert members.describe((0, 1, 2), 8).startswith(
         "relax-launch: every rollout engine takes weight version 8"
     )
+
+
+class FakeWorker:
+    """An engine head's worker whose server starts (or fails to) at once."""
+
+    def __init__(self, ready: bool = True, launches: bool = True) -> None:
+        self.engine = type("Engine", (), {"role": "rollout", "index": 1})()
+        self.server = type("Server", (), {"stop": lambda self: None})()
+        self.ready, self.launches, self.launched = ready, launches, 0
+
+    def launch(self) -> None:
+        if not self.launches:
+            raise OSError("no such file: python")
+        self.launched += 1
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self.ready:
+            raise TimeoutError(f"not ready within {timeout_s:.0f} s")
+
+
+def restarted(restarts: EngineRestarts) -> None:
+    deadline = time.monotonic() + 5
+    while restarts.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_restart_is_counted_down_then_up_and_the_fourth_death_ends_the_job():
+    store, worker = DictStore(), FakeWorker()
+    restarts = EngineRestarts(store, worker, timeout_s=1)
+    for count in (1, 2, 3):
+        assert restarts.restart("its SGLang server was killed by SIGKILL") is None
+        restarted(restarts)
+        assert store.get(engine_key("down", "rollout", 1)) == str(count).encode()
+        assert store.get(engine_key("up", "rollout", 1)) == str(count).encode()
+    assert worker.launched == 3
+    refused = restarts.restart("its SGLang server exited with code 1")
+    assert refused == "its SGLang server exited with code 1, for the 4th time (3 restarts allowed)"
+    assert worker.launched == 3
+
+
+def test_a_server_that_does_not_start_again_ends_the_job():
+    not_ready = EngineRestarts(DictStore(), FakeWorker(ready=False), timeout_s=1)
+    assert not_ready.restart("died") is None
+    restarted(not_ready)
+    assert not_ready.failure == "died; restarting it failed: TimeoutError: not ready within 1 s"
+    not_launched = EngineRestarts(DictStore(), FakeWorker(launches=False), timeout_s=1)
+    assert not_launched.restart("died") == (
+        "died; restarting it failed: OSError: no such file: python"
+    )
+    assert not not_launched.pending
