@@ -72,7 +72,7 @@ class ControllerMetrics:
             buckets=BUCKETS_S,
             registry=self.registry,
         )
-        self.rerouted = Counter(
+        self.engines_lost = Counter(
             "relax_controller_engines_lost",
             "Engines the controller found dead and routed around (rollout.fault_tolerance).",
             ("role",),
@@ -190,7 +190,7 @@ class EngineClient:
 
     async def _engine_died(self, error: EngineUnreachable) -> bool:
         """Whether the engine behind ``error`` is gone (then it is out of routing now)."""
-        engine = next((e for e in self.manager.engines if error.url.startswith(e.url)), None)
+        engine = next((e for e in self.manager.engines if error.url.startswith(e.url + "/")), None)
         if engine is None:
             return False
         try:
@@ -205,7 +205,7 @@ class EngineClient:
                 error.message,
             )
             self.manager.engine_lost(engine.engine_id, error.message)
-            self.metrics.rerouted.labels(self.role).inc()
+            self.metrics.engines_lost.labels(self.role).inc()
         return not alive
 
     async def _judge(self, payload: dict, affinity_key: str | None) -> tuple[dict, str]:

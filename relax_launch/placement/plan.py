@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,18 @@ class WeightSyncGroup:
     source_rank: int
     engine_rank_offsets: tuple[tuple[int, int], ...]
     world_size: int
+
+
+def sync_rank_offsets(
+    engines: Iterable[EnginePlan],
+) -> tuple[tuple[tuple[int, int], ...], int]:
+    """A broadcast group of a sender (rank 0) and these rollout engines: each engine's
+    (index, first rank in the group), and the group's size. Its workers follow one another."""
+    offsets, next_offset = [], 1
+    for engine in engines:
+        offsets.append((engine.index, next_offset))
+        next_offset += len(engine.ranks)
+    return tuple(offsets), next_offset
 
 
 @dataclass(frozen=True)

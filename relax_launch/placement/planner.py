@@ -17,6 +17,7 @@ from relax_launch.placement.plan import (
     RoleAssignment,
     TrainerLayout,
     WeightSyncGroup,
+    sync_rank_offsets,
 )
 
 if TYPE_CHECKING:
@@ -246,17 +247,13 @@ def _rank_plans(
 def _weight_sync_groups(
     trainer: TrainerLayout, engines: tuple[EnginePlan, ...]
 ) -> tuple[WeightSyncGroup, ...]:
-    rollout = [e for e in engines if e.role == "rollout"]
-    offsets, next_offset = [], 1
-    for engine in rollout:
-        offsets.append((engine.index, next_offset))
-        next_offset += len(engine.ranks)
+    offsets, world_size = sync_rank_offsets(e for e in engines if e.role == "rollout")
     return tuple(
         WeightSyncGroup(
             pp_rank=pp,
             source_rank=trainer.pp_stage_source(pp),
-            engine_rank_offsets=tuple(offsets),
-            world_size=next_offset,
+            engine_rank_offsets=offsets,
+            world_size=world_size,
         )
         for pp in range(trainer.pp_size)
     )

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from relax_launch.inference.control_plane import ControlPlane
-from relax_launch.placement.plan import PlacementPlan, TrainerLayout
+from relax_launch.placement.plan import PlacementPlan, TrainerLayout, sync_rank_offsets
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.control import Command, ControlChannel, Handler, RemoteError, Shutdown
@@ -202,18 +202,22 @@ class Session:
         members = tuple(range(len(rollout))) if members is None else members
         # An engine with one rank holds q/k/v and gate/up fused: send them so, received in place.
         fused = all(e.tp_size == 1 and e.pp_size == 1 for e in rollout)
-        self.sync_targets, offset = [], 1  # the source is rank 0 of each group
-        for index in members:
-            engine = rollout[index]
-            label = f"rollout engine {index} (rank {engine.head_rank})"
-            self.sync_targets.append(EngineTarget(urls[index], offset, label, engine.tp_size))
-            offset += len(engine.ranks)
+        offsets, world_size = sync_rank_offsets(rollout[index] for index in members)
+        self.sync_targets = [
+            EngineTarget(
+                urls[index],
+                offset,
+                f"rollout engine {index} (rank {rollout[index].head_rank})",
+                rollout[index].tp_size,
+            )
+            for index, offset in offsets
+        ]
         self._sync_groups += 1
         for group in self.plan.weight_sync_groups:  # every group reaches the same engines
             command = ConnectWeights(
                 pp_rank=group.pp_rank,
                 targets=tuple(self.sync_targets),
-                world_size=offset,
+                world_size=world_size,
                 fused=fused,
                 colocated=self.plan.mode in ("split", "defer"),
                 seconds_left=self.weight_sync_timeout_s,

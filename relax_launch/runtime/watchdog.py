@@ -186,9 +186,8 @@ class JobWatchdog:
             stopping = self._quiet.is_set() or self.stop.local or self.stop.job
             if code is None or stopping:  # a stop signal may reach the servers too
                 continue
-            died = f"{what} on {describe_rank(self.plan, self.rank)}: its SGLang server " + (
-                describe_exit(code)
-            )
+            where = describe_rank(self.plan, self.rank)
+            died = f"{what} on {where}: its SGLang server {describe_exit(code)}"
             if restarts is None:
                 return died
             log.warning("relax-launch: %s; restarting it", died)

@@ -5,13 +5,17 @@ at once; the real job is in test_job_ends.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import httpx
 import pytest
 
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.inprocess import ControllerMetrics, EngineClient, EngineUnreachable
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.routing import RouteResolver
 from relax_launch.runtime.engine_restart import EngineRestarts, RolloutMembership, engine_key
 
 
@@ -158,3 +162,28 @@ def test_a_server_that_does_not_start_again_ends_the_job():
         "died; restarting it failed: OSError: no such file: python"
     )
     assert not not_launched.pending
+
+
+def test_the_engine_taken_out_is_the_one_that_dropped_the_request_not_a_url_prefix_of_it():
+    """Engines at ports 4335 and 43357: a request to 43357 that was dropped, while 43357 fails
+    its health check, takes out engine 43357 only (an httpx transport stands in for both)."""
+    manager = rollout(0)
+    manager.attach(
+        [
+            EngineHandle("m/0", "http://127.0.0.1:4335", "rollout", False),
+            EngineHandle("m/1", "http://127.0.0.1:43357", "rollout", False),
+        ]
+    )
+    health = httpx.MockTransport(
+        lambda request: httpx.Response(200 if request.url.port == 4335 else 503)
+    )
+    client = EngineClient(
+        manager,
+        httpx.AsyncClient(transport=health),
+        resolver=RouteResolver(),
+        timeout_s=5,
+        metrics=ControllerMetrics(),
+    )
+    dropped = EngineUnreachable("http://127.0.0.1:43357/generate", "Server disconnected")
+    assert asyncio.run(client._engine_died(dropped)) is True
+    assert serving(manager) == ["m/0"] and manager.lost == {"m/1": "Server disconnected"}
