@@ -64,16 +64,53 @@ class JobConfig(Section):
         dtype (so the rollout policy's logprobs match the trainer's)."""
         return self.inference_roles()[role].engine.get("dtype", self.trainer.dtype)
 
+    def rollout_correction(self) -> str:
+        """algorithm.rollout_correction with ``auto`` resolved: token_tis when the samples come
+        from other weights (off-policy) or another precision than the trainer's, else none."""
+        chosen = self.algorithm.rollout_correction
+        if chosen != "auto":
+            return chosen
+        other_policy = self.algorithm.off_policy_steps > 0
+        return "token_tis" if other_policy or self.precision_differs else "none"
+
+    @property
+    def precision_differs(self) -> bool:
+        """Whether the rollout engines compute at another precision than the trainer."""
+        return self.engine_dtype("rollout") != self.trainer.dtype
+
     def precision_notice(self) -> str | None:
         """Said once before a run whose rollout engines compute at another precision than the
         trainer: PPO's old logprobs come from the engines, so the ratios start away from 1."""
-        if self.engine_dtype("rollout") == self.trainer.dtype:
+        if not self.precision_differs:
+            return None
+        gap = (
+            f"rollout.engine.dtype={self.rollout.engine['dtype']} differs from trainer.dtype="
+            f"{self.trainer.dtype}: the engines' logprobs and the trainer's differ by the "
+            "precision gap"
+        )
+        correction = self.rollout_correction()
+        if correction != "none":
+            return (
+                f"{gap}; algorithm.rollout_correction={correction} weights each token by the "
+                "trainer-over-engine ratio (metrics mismatch_kl, is_cut_fraction)."
+            )
+        return (
+            f"{gap}, so importance ratios start away from 1 and the clip range absorbs part of "
+            "it; set algorithm.rollout_correction=token_tis, or remove rollout.engine.dtype for "
+            "exact parity."
+        )
+
+    def off_policy_notice(self) -> str | None:
+        """Said once before an off-policy run that ``auto`` gave a rollout correction."""
+        if self.precision_differs or self.algorithm.rollout_correction != "auto":
+            return None  # the precision notice says it, or the user chose
+        if self.rollout_correction() == "none":
             return None
         return (
-            f"rollout.engine.dtype={self.rollout.engine['dtype']} differs from trainer.dtype="
-            f"{self.trainer.dtype}: the engines' logprobs (PPO's old logprobs) and the trainer's "
-            "differ by the precision gap, so importance ratios start away from 1 and the clip "
-            "range absorbs part of it; remove rollout.engine.dtype for exact parity."
+            "algorithm.off_policy_steps=1 trains on samples of the previous weights: "
+            f"rollout_correction=auto weights each token by the trainer-over-engine ratio "
+            f"truncated at {self.algorithm.rollout_correction_cap} (token_tis); set "
+            "algorithm.rollout_correction=none to train without it."
         )
 
     def rollout_model(self) -> str:
@@ -84,6 +121,7 @@ class JobConfig(Section):
     def _cross_section_rules(self) -> JobConfig:
         problems = _role_usage_problems(self) + _colocation_problems(self) + _engine_problems(self)
         problems += _batch_problems(self) + _fault_tolerance_problems(self)
+        problems += _algorithm_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -212,3 +250,26 @@ def _fault_tolerance_problems(job: JobConfig) -> list[str]:
     if not needs:
         return []
     return [f"rollout.fault_tolerance needs {' and '.join(needs)}: set them or turn it off."]
+
+
+def _algorithm_problems(job: JobConfig) -> list[str]:
+    """Algorithm settings that depend on the data limits, the placement or the precisions."""
+    a, problems = job.algorithm, []
+    if a.dynamic_sampling and job.placement.mode != "decoupled":
+        problems.append(
+            f"algorithm.dynamic_sampling draws more prompts after scoring, which placement.mode="
+            f"{job.placement.mode} cannot do (its engines take turns): turn it off or use "
+            "decoupled."
+        )
+    if a.overlong_buffer_tokens >= job.data.max_response_tokens:
+        problems.append(
+            f"algorithm.overlong_buffer_tokens={a.overlong_buffer_tokens} must be below "
+            f"data.max_response_tokens={job.data.max_response_tokens}."
+        )
+    if "rollout_correction_cap" in a.model_fields_set and job.rollout_correction() == "none":
+        problems.append(
+            "algorithm.rollout_correction_cap is set but the rollout correction is none (auto "
+            "turns it on only off-policy or at another engine dtype): set "
+            "algorithm.rollout_correction=token_tis or sequence_mis, or remove the cap."
+        )
+    return problems

@@ -48,8 +48,8 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     if dataset_problem and require_models:
         raise ConfigError(dataset_problem, ("data.dataset",))
     warnings += [dataset_problem] if dataset_problem else []
-    notice = job.precision_notice()
-    return warnings + ([notice] if notice else [])
+    notices = (job.precision_notice(), job.off_policy_notice())
+    return warnings + [notice for notice in notices if notice]
 
 
 def _facts_or_problem(role: str, ref: str, require: bool) -> ModelFacts | str:

@@ -34,7 +34,7 @@ from relax_launch.rl.loop import (
     step_record,
     sync_metrics,
     timed,
-    to_batch,
+    train,
 )
 from relax_launch.rl.samples import Sample
 from relax_launch.runtime.lifecycle import TRAINER, LeaseError, LifecycleCoordinator
@@ -198,8 +198,6 @@ def colocated_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float
     turns = run_batch(work, ctx.coordinator, step, split=split, seconds=seconds)
     ctx.trained_cursor = work.batch.cursor
     with timed(seconds, "train"):
-        metrics = ctx.session.train_step(
-            to_batch(work.samples, ctx.algorithm.distill_coef), ctx.spec
-        )
+        metrics = train(ctx, work.samples)
     metrics |= {f"memory/{k}_gb": v / 1e9 for k, v in turns.moved.items()}
     return step_record(ctx, step, work.batch, metrics, stale=0)

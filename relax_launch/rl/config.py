@@ -26,9 +26,63 @@ class AlgorithmConfig(Section):
     clip_eps_high: float | None = Field(
         None, gt=0, description="PPO clip range upper side; default clip_eps."
     )
-    loss_aggregation: Literal["token", "sequence"] = Field(
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"] = Field(
+        "grpo",
+        description="grpo: reward minus its group's mean over the group's std. dr_grpo: minus "
+        "the mean only (pair with loss_aggregation: token_sum). rloo: minus the mean of the "
+        "group's other rewards. reinforce_pp_baseline: minus the group mean, over the batch's "
+        "std.",
+    )
+    policy_ratio: Literal["token", "sequence"] = Field(
         "token",
-        description="Average the loss over all tokens, or per sequence then over sequences.",
+        description="token: PPO's per-token ratio. sequence: GSPO's length-normalised sequence "
+        "ratio, clipped per sequence (use clip ranges such as clip_eps=3e-4, "
+        "clip_eps_high=4e-4 and loss_aggregation: sequence).",
+    )
+    loss_aggregation: Literal["token", "sequence", "token_sum"] = Field(
+        "token",
+        description="token: mean over all tokens. sequence: per sequence, then over sequences. "
+        "token_sum: each sequence's token sum over data.max_response_tokens, then over "
+        "sequences (Dr.GRPO).",
+    )
+    rollout_correction: Literal["auto", "none", "token_tis", "sequence_mis"] = Field(
+        "auto",
+        description="Importance weights from the rollout engine's sampling policy to the "
+        "trainer's: token_tis truncates each token's ratio at rollout_correction_cap; "
+        "sequence_mis weights each sequence by its ratio and drops one over the cap. auto: "
+        "token_tis when off_policy_steps > 0 or the rollout engines run at another dtype than "
+        "the trainer, else none. With a correction, PPO's ratio is taken to the trainer's own "
+        "logprobs.",
+    )
+    rollout_correction_cap: float = Field(
+        2.0,
+        ge=1.0,
+        description="Largest importance ratio kept (token_tis) or allowed (sequence_mis).",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop prompt groups whose rewards are all equal (no signal) and draw "
+        "more prompts until data.prompts_per_step groups have signal (decoupled only).",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        4,
+        ge=1,
+        description="Rounds of data.prompts_per_step prompts one step may draw; if they are "
+        "not enough, the step fills its batch with dropped groups (advantage 0).",
+    )
+    overlong_buffer_tokens: int = Field(
+        0,
+        ge=0,
+        description="DAPO over-long shaping: a response in its last this-many tokens before "
+        "data.max_response_tokens loses up to overlong_penalty reward, linearly. 0: off.",
+    )
+    overlong_penalty: float = Field(
+        1.0, gt=0, description="The reward a response of data.max_response_tokens loses."
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="DAPO over-long filtering: responses cut at data.max_response_tokens keep "
+        "their place in the group's advantages but are not trained on.",
     )
     kl_coef: float = Field(
         0.0,
@@ -45,6 +99,21 @@ class AlgorithmConfig(Section):
         "weights while step k trains (decoupled only); samples more than this many weight "
         "versions old are not trained on.",
     )
+
+    @model_validator(mode="after")
+    def _dependent_knobs_act(self) -> AlgorithmConfig:
+        """A knob that only acts with another one on is refused without it."""
+        needs = {
+            "dynamic_sampling_max_rounds": ("dynamic_sampling", self.dynamic_sampling),
+            "overlong_penalty": ("overlong_buffer_tokens", self.overlong_buffer_tokens > 0),
+        }
+        for knob, (switch, on) in needs.items():
+            if knob in self.model_fields_set and not on:
+                raise ValueError(
+                    f"algorithm.{knob} acts only with algorithm.{switch}: turn that on or "
+                    f"remove algorithm.{knob}"
+                )
+        return self
 
 
 class DataConfig(Section):

@@ -24,7 +24,14 @@ from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
-from relax_launch.rl.advantages import distill_advantages, group_advantages
+from relax_launch.rl.batch import (
+    assign_advantages,
+    groups,
+    has_signal,
+    sample_metrics,
+    shape_overlong,
+    to_batch,
+)
 from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
@@ -35,7 +42,6 @@ from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
 from relax_launch.runtime.session import Session
-from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
 
 # The background rollout's requests each time out after gateway.request_timeout_s (300 s by
@@ -77,20 +83,31 @@ class RLContext:
     background: ThreadPoolExecutor | None = None  # off-policy: where the next rollout runs
     upcoming: Future[RolloutBatch] | None = None  # off-policy: the next step's batch
     coordinator: LifecycleCoordinator | None = None  # split/defer: who holds the shared ranks
+    correction: str = "none"  # algorithm.rollout_correction with auto resolved (by the job)
 
     @property
     def spec(self) -> LossSpec:
         a = self.algorithm
-        return LossSpec(a.clip_eps, a.clip_eps_high or a.clip_eps, a.loss_aggregation, a.kl_coef)
+        return LossSpec(
+            clip_low=a.clip_eps,
+            clip_high=a.clip_eps_high or a.clip_eps,
+            aggregation=a.loss_aggregation,
+            kl_coef=a.kl_coef,
+            ratio=a.policy_ratio,
+            correction=self.correction,
+            correction_cap=a.rollout_correction_cap,
+            max_response_tokens=self.data.max_response_tokens,
+        )
 
 
 @contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's seconds to ``seconds[name]`` (a phase may run more than once a step)."""
     started = clock()
     try:
         yield
     finally:
-        seconds[name] = clock() - started
+        seconds[name] = seconds.get(name, 0.0) + clock() - started
 
 
 def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
@@ -107,7 +124,7 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
     ctx.trained_cursor = batch.cursor
     stale = drop_stale(batch.samples, trainer_version=step, bound=a.off_policy_steps)
     with timed(ctx.seconds, "train"):
-        metrics = ctx.session.train_step(to_batch(batch.samples, a.distill_coef), ctx.spec)
+        metrics = train(ctx, batch.samples)
     if ctx.upcoming is not None:
         with timed(ctx.seconds, "wait"):  # the engines must be idle before they take weights
             wait_for_rollout(ctx.upcoming, step + 1)
@@ -115,6 +132,16 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
         reports = ctx.session.sync_weights(step + 1)
     metrics |= sync_metrics(reports, ctx.seconds["sync"]) | ctx.session.engine_metrics()
     return step_record(ctx, step, batch, metrics, stale)
+
+
+def train(ctx: RLContext, samples: list[Sample]) -> dict[str, float]:
+    """One trainer step on the samples; a batch with no token to train on (every response
+    invalid, stale or filtered) leaves the weights as they are, counted in ``train_skipped``."""
+    batch = to_batch(samples, ctx.algorithm.distill_coef)
+    if not any(any(mask) for mask in batch.loss_mask):
+        operator_log().warning("relax-launch: no sample of this step can be trained on: skipped")
+        return {"train_skipped": 1}
+    return ctx.session.train_step(batch, ctx.spec) | {"train_skipped": 0}
 
 
 def step_record(
@@ -151,11 +178,62 @@ def sync_metrics(reports: list[dict[str, float]], seconds: float) -> dict[str, f
 
 def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
     """Rollout, teacher scoring, rewards and advantages: everything a train step consumes."""
+    samples, cursor, metrics = score_round(ctx, seconds)
+    if ctx.algorithm.dynamic_sampling:
+        samples, cursor, metrics = keep_groups_with_signal(ctx, seconds, samples, cursor, metrics)
+    return finish_batch(ctx, samples, metrics, seconds, cursor)
+
+
+def score_round(
+    ctx: RLContext, seconds: dict[str, float]
+) -> tuple[list[Sample], PromptCursor, dict[str, float]]:
+    """One round of the step's prompts: generated, scored by the teacher and rewarded."""
     samples, cursor = generate(ctx, seconds)
     if ctx.has_teacher:
         score_teacher(ctx, samples, seconds)
-    metrics = score_rewards(ctx, samples, seconds)
-    return finish_batch(ctx, samples, metrics, seconds, cursor)
+    return samples, cursor, score_rewards(ctx, samples, seconds)
+
+
+def keep_groups_with_signal(
+    ctx: RLContext,
+    seconds: dict[str, float],
+    samples: list[Sample],
+    cursor: PromptCursor,
+    metrics: dict[str, float],
+) -> tuple[list[Sample], PromptCursor, dict[str, float]]:
+    """DAPO's dynamic sampling: draw rounds of prompts until ``prompts_per_step`` groups have
+    rewards that differ, at most ``dynamic_sampling_max_rounds``; a batch still short is filled
+    with groups without signal (advantage 0). Reward metrics are over every drawn sample."""
+    a, wanted = ctx.algorithm, ctx.data.prompts_per_step
+    kept: list[list[Sample]] = []
+    flat: list[list[Sample]] = []
+    rounds = [metrics]
+    while True:
+        for group in groups(samples, a.n_samples_per_prompt):
+            (kept if has_signal(group) else flat).append(group)
+        if len(kept) >= wanted or len(rounds) == a.dynamic_sampling_max_rounds:
+            break
+        samples, cursor, more = score_round(ctx, seconds)
+        rounds.append(more)
+    padded = max(wanted - len(kept), 0)
+    chosen = kept[:wanted] + flat[:padded]
+    for number, group in enumerate(chosen):
+        for s in group:
+            s.group = number
+    metrics = {k: merged(k, [m[k] for m in rounds]) for k in rounds[0]}
+    metrics |= {
+        "data/sampling_rounds": len(rounds),
+        "data/groups_without_signal": len(flat),
+        "data/groups_padded": padded,
+        "data/response_tokens_drawn": sum(len(s.response_ids) for g in kept + flat for s in g),
+    }
+    return [s for group in chosen for s in group], cursor, metrics
+
+
+def merged(key: str, values: list[float]) -> float:
+    """One metric over rounds of equal size: a source's mean reward averages, counts add up."""
+    mean = key.startswith("reward/") and not key.endswith("/failed")
+    return sum(values) / len(values) if mean else sum(values)
 
 
 def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], PromptCursor]:
@@ -183,9 +261,14 @@ def score_teacher(ctx: RLContext, samples: list[Sample], seconds: dict[str, floa
 def score_rewards(
     ctx: RLContext, samples: list[Sample], seconds: dict[str, float]
 ) -> dict[str, float]:
-    """Every reward source (functions and the GenRM judge); returns their metrics."""
+    """Every reward source (functions and the GenRM judge), then over-long shaping; returns
+    their metrics."""
     with timed(seconds, "reward"):
-        return ctx.rewards.score(samples)
+        metrics = ctx.rewards.score(samples)
+        metrics["samples_truncated"] = shape_overlong(
+            samples, ctx.algorithm, ctx.data.max_response_tokens
+        )
+        return metrics
 
 
 def finish_batch(
@@ -196,8 +279,10 @@ def finish_batch(
     cursor: PromptCursor,
 ) -> RolloutBatch:
     """Advantages and the sample metrics: the batch a train step consumes."""
-    assign_advantages(samples, ctx.algorithm.n_samples_per_prompt)
-    metrics |= sample_metrics(samples, seconds["rollout"])
+    a = ctx.algorithm
+    assign_advantages(samples, a.n_samples_per_prompt, a.advantage_estimator)
+    drawn = metrics.get("data/response_tokens_drawn")
+    metrics |= sample_metrics(samples, seconds["rollout"], drawn)
     return RolloutBatch(samples, metrics, dict(seconds), cursor)
 
 
@@ -241,54 +326,6 @@ def next_prompts(ctx: RLContext) -> list[tuple[Prompt, list[int]]]:
         f"data.dataset: almost every prompt is longer than data.max_prompt_tokens="
         f"{ctx.data.max_prompt_tokens}; raise it or shorten the prompts"
     )
-
-
-def assign_advantages(samples: list[Sample], group_size: int) -> None:
-    """GRPO within each prompt's group, over the samples that have a reward."""
-    for start in range(0, len(samples), group_size):
-        group = [s for s in samples[start : start + group_size] if s.valid and s.response_ids]
-        if len(group) < 2:
-            continue
-        for s, adv in zip(
-            group, group_advantages([s.reward for s in group], len(group)), strict=True
-        ):
-            s.advantage = adv
-
-
-def to_batch(samples: list[Sample], distill_coef: float) -> TokenBatch:
-    """Prompt + response tokens; only valid responses are trained on, each token weighted by its
-    advantage (plus the distillation term when a teacher scored it)."""
-    tokens, masks, weights, old = [], [], [], []
-    for s in samples:
-        trained = s.valid and bool(s.response_ids)
-        per_token = [s.advantage] * len(s.response_ids)
-        if distill_coef and s.teacher_logprobs:
-            extra = distill_advantages(s.logprobs, s.teacher_logprobs, distill_coef)
-            per_token = [a + d for a, d in zip(per_token, extra, strict=True)]
-        prompt_len = len(s.prompt_ids)
-        tokens.append(tuple(s.prompt_ids + s.response_ids))
-        masks.append(tuple([0.0] * prompt_len + [float(trained)] * len(s.response_ids)))
-        weights.append(tuple([0.0] * prompt_len + per_token))
-        old.append(tuple([0.0] * prompt_len + s.logprobs))
-    return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old))
-
-
-def sample_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
-    valid = [s for s in samples if s.valid]
-    generated = sum(len(s.response_ids) for s in samples)
-    out = {
-        "reward": sum(s.reward for s in valid) / len(valid) if valid else float("nan"),
-        "response_tokens": generated / len(samples),
-        "tokens_per_s": generated / rollout_s if rollout_s else 0.0,
-        "samples_invalid": len(samples) - len(valid),
-    }
-    scored = [s for s in samples if s.teacher_logprobs]
-    if scored:
-        diffs = [
-            lp - t for s in scored for lp, t in zip(s.logprobs, s.teacher_logprobs, strict=True)
-        ]
-        out["reverse_kl"] = sum(diffs) / len(diffs)
-    return out
 
 
 def run(

@@ -91,6 +91,7 @@ def rl_context(
         skipped_prompts=skipped,
         checkpoints=checkpoints,
         checkpoint_every=job.checkpoint.every_steps,
+        correction=job.rollout_correction(),
     )
 
 

@@ -23,4 +23,5 @@ class Sample:
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = 0.0
     valid: bool = True  # False when a reward source failed for it: no gradient
+    masked: bool = False  # in its group's advantages, but not trained on (over-long filtering)
     advantage: float = 0.0

@@ -21,7 +21,7 @@ from relax_launch import platform
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
-from relax_launch.trainer.losses import LossSpec, likelihood_loss, policy_loss
+from relax_launch.trainer.losses import MAX_REDUCED, LossSpec, likelihood_loss, policy_loss
 from relax_launch.trainer.model import (
     build_gpt,
     build_gpt_module,
@@ -30,6 +30,15 @@ from relax_launch.trainer.model import (
     read_shape,
 )
 from relax_launch.trainer.offload import PARTS, StateOffloader
+
+SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
+PER_TOKEN = {  # token sums reported as per-token means, under these names
+    "clipped": "clip_fraction",
+    "approx_kl": "approx_kl",
+    "mismatch_kl": "mismatch_kl",
+    "is_cut": "is_cut_fraction",
+    "kl_ref": "kl_ref",
+}
 
 
 class Trainer:
@@ -115,16 +124,18 @@ class Trainer:
 
     def _batch_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """The global batch's loss and per-token diagnostics, from every micro-batch's sums on
-        every data-parallel rank."""
-        summed = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "kl_ref")
-        keys = [k for k in summed if k in outputs[0]]
+        every data-parallel rank (and the largest importance ratio, by max)."""
+        keys = [k for k in SUMMED if k in outputs[0]]
         totals = torch.stack([sum(o[k].float() for o in outputs) for k in keys])
         dist.all_reduce(totals, group=self.pgc.dp)
         total = dict(zip(keys, totals.tolist(), strict=True))
         tokens = max(total["tokens"], 1.0)
         metrics = {"loss": total["loss_sum"] / max(total["count"], 1.0)}
-        names = {"clipped": "clip_fraction", "approx_kl": "approx_kl", "kl_ref": "kl_ref"}
-        metrics.update({names[k]: total[k] / tokens for k in keys if k in names})
+        metrics.update({PER_TOKEN[k]: total[k] / tokens for k in keys if k in PER_TOKEN})
+        for key in (k for k in MAX_REDUCED if k in outputs[0]):
+            largest = torch.stack([o[key].float() for o in outputs]).max()
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.pgc.dp)
+            metrics[key] = float(largest)
         return metrics
 
     @property

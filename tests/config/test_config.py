@@ -143,7 +143,13 @@ def test_engines_take_the_trainers_dtype_unless_their_engine_says_otherwise():
     job = build_config(raw)
     assert (job.engine_dtype("rollout"), job.engine_dtype("teacher")) == ("bfloat16", "float32")
     assert job.precision_notice() is None  # a teacher at another precision changes no ratio
+    assert job.rollout_correction() == "none"  # same precision, on-policy
     mismatched = build_config(raw, ["rollout.engine.dtype=float32"])
-    assert "importance ratios start away from 1" in mismatched.precision_notice()
+    assert mismatched.rollout_correction() == "token_tis"  # auto: another precision
+    assert "rollout_correction=token_tis weights each token" in mismatched.precision_notice()
+    uncorrected = build_config(
+        raw, ["rollout.engine.dtype=float32", "algorithm.rollout_correction=none"]
+    )
+    assert "importance ratios start away from 1" in uncorrected.precision_notice()
     with pytest.raises(ConfigError, match="rollout.engine.dtype='fp16' is not one of"):
         build_config(raw, ["rollout.engine.dtype=fp16"])

@@ -80,6 +80,11 @@ def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
     # even-token share of 4 samples x 8 tokens differs within a group, so there is a gradient)
     assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert steps[-1]["kl_ref"] > 1e-4
+    # off-policy turns the token-level correction on: step 1's samples come from the trainer's
+    # own weights (no mismatch), later ones from the weights one step older
+    assert "rollout_correction=auto" in result.stdout
+    assert steps[0]["mismatch_kl"] < 1e-4 and steps[0]["is_ratio_max"] == pytest.approx(1, abs=0.02)
+    assert steps[-1]["mismatch_kl"] > 10 * steps[0]["mismatch_kl"]
     assert "stale 1" in result.stdout and "KL-ref" in result.stdout
     assert "rollout x2" in result.stdout
     assert_calm_console(result, tmp_path, ranks=4, steps=3)

@@ -12,10 +12,11 @@ import torch
 from rich.console import Console
 
 from relax_launch.rl import loop
-from relax_launch.rl.advantages import distill_advantages, group_advantages
+from relax_launch.rl.advantages import distill_advantages, grpo
+from relax_launch.rl.batch import assign_advantages, to_batch
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.data import PromptStream, load_prompts
-from relax_launch.rl.loop import assign_advantages, drop_stale, to_batch
+from relax_launch.rl.loop import drop_stale
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import (
     JUDGE_PREFILL,
@@ -32,17 +33,14 @@ def sample(text="", label=None, group=0, response=(5, 6), logprobs=(-1.0, -2.0))
     return Sample(group, "q", label, [1, 2, 3], list(response), list(logprobs), text, "1")
 
 
-def test_group_advantages_by_hand():
+def test_grpo_advantages_by_hand():
     # group 1: mean 0.5, std 0.5 -> +-1; group 2: all equal -> no signal
-    assert group_advantages([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0], 4) == pytest.approx(
-        [1, -1, 1, -1, 0, 0, 0, 0], abs=1e-5
-    )
+    assert grpo([[1.0, 0.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0]]) == [
+        pytest.approx([1, -1, 1, -1], abs=1e-5),
+        [0.0] * 4,
+    ]
     # mean 2, variance (4 + 1 + 1) / 3 = 2: (0 - 2) / 1.4142 = -1.4142, (3 - 2) / 1.4142 = 0.7071
-    assert group_advantages([0.0, 3.0, 3.0], 3) == pytest.approx(
-        [-1.4142, 0.7071, 0.7071], abs=1e-4
-    )
-    with pytest.raises(ValueError, match="groups of 4"):
-        group_advantages([1.0, 2.0, 3.0], 4)
+    assert grpo([[0.0, 3.0, 3.0]])[0] == pytest.approx([-1.4142, 0.7071, 0.7071], abs=1e-4)
 
 
 def test_distill_advantages_by_hand():
