@@ -51,6 +51,8 @@ RUNTIME_DEPS += ["rich", "psutil"]
 RUNTIME_DEPS += ["fastapi", "starlette", "aiohttp", "prometheus-client"]
 # tensorboard: event files (torch.utils.tensorboard); matplotlib: curves.png; wandb: logging.wandb.
 RUNTIME_DEPS += ["tensorboard", "matplotlib", "wandb"]
+# pyarrow: Parquet files and HF `datasets` directories as data.dataset (no `datasets` needed).
+RUNTIME_DEPS += ["pyarrow"]
 
 setup(
     name="relax-launch",

@@ -30,6 +30,9 @@ def _load_and_plan(
     notes = preflight(job, placement, require_models=require_models)
     if require_models:  # about to start it
         check_runnable(placement)
+        from relax_launch.rl.inputs import check_inputs  # reads the data, imports rewards
+
+        check_inputs(job.data, job.reward)
     return job, placement, notes
 
 

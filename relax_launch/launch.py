@@ -25,6 +25,10 @@ def main(argv: list[str]) -> int:
         placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
         preflight(job, placement, require_models=True)
         check_runnable(placement)
+        if rank == 0:  # the controller reads the data and calls the rewards
+            from relax_launch.rl.inputs import check_inputs
+
+            check_inputs(job.data, job.reward)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2

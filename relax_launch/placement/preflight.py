@@ -147,11 +147,11 @@ def _check_shared_shapes(facts: dict[str, ModelFacts]) -> None:
 
 
 def _dataset_problem(dataset: str) -> str | None:
-    if dataset.startswith("builtin:") or Path(dataset).expanduser().is_file():
+    if dataset.startswith("builtin:") or Path(dataset).expanduser().exists():
         return None
     return (
-        f"data.dataset={dataset!r} does not exist: give an existing .jsonl file or a "
-        "builtin:NAME dataset."
+        f"data.dataset={dataset!r} does not exist: give an existing .jsonl or .parquet file, a "
+        "dataset directory or a builtin:NAME dataset."
     )
 
 

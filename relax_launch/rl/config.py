@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -121,8 +122,20 @@ class DataConfig(Section):
 
     dataset: str = Field(
         "builtin:arithmetic",
-        description="A JSONL file (prompt or messages, optional label), or builtin:arithmetic / "
-        "builtin:format.",
+        description="builtin:arithmetic / builtin:format, a .jsonl or .parquet file, or a "
+        "directory: an HF datasets save_to_disk directory or a directory of Parquet files (the "
+        "Hub's layout). Rows have a prompt (text) or messages (chat), an optional label and "
+        "data_source.",
+    )
+    split: str = Field(
+        "train", description="The split of a dataset directory (DatasetDict or Hub layout)."
+    )
+    prompt_key: str = Field("prompt", min_length=1, description="The field holding prompt text.")
+    messages_key: str = Field(
+        "messages", min_length=1, description="The field holding a chat ({role, content} list)."
+    )
+    label_key: str = Field(
+        "label", min_length=1, description="The field holding the label reward functions see."
     )
     prompts_per_step: int = Field(4, ge=1, description="Prompts drawn per RL step.")
     max_prompt_tokens: int = Field(256, ge=1, description="Longest prompt, in tokens.")
@@ -137,11 +150,30 @@ class DataConfig(Section):
             raise ValueError(
                 f"unknown built-in dataset {dataset!r}; choose one of "
                 + ", ".join(f"builtin:{d}" for d in BUILTIN_DATASETS)
-                + " or give a .jsonl path"
+                + " or give a .jsonl or .parquet file or a dataset directory"
             )
-        if not dataset.startswith("builtin:") and not dataset.endswith(".jsonl"):
-            raise ValueError(f"{dataset!r} is neither builtin:NAME nor a .jsonl file path")
+        suffix = Path(dataset).suffix
+        if not dataset.startswith("builtin:") and suffix not in ("", ".jsonl", ".parquet"):
+            raise ValueError(
+                f"{dataset!r} is neither builtin:NAME, a .jsonl or .parquet file nor a directory"
+            )
         return dataset
+
+    @model_validator(mode="after")
+    def _mapping_acts(self) -> DataConfig:
+        """Keys and splits that the dataset would never read are refused."""
+        mapping = {"prompt_key", "messages_key", "label_key"} & self.model_fields_set
+        if self.dataset.startswith("builtin:") and mapping | ({"split"} & self.model_fields_set):
+            raise ValueError(
+                f"data.{', data.'.join(sorted(mapping | {'split'} & self.model_fields_set))} "
+                f"names fields of a dataset file; {self.dataset} has its own: remove it"
+            )
+        if "split" in self.model_fields_set and Path(self.dataset).suffix:
+            raise ValueError(
+                f"data.split selects a split of a dataset directory; {self.dataset} is one file: "
+                "remove data.split"
+            )
+        return self
 
 
 class RewardSource(Section):

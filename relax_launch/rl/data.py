@@ -1,8 +1,10 @@
-"""Prompts for the RL loop: JSONL files or built-in tasks, shuffled deterministically, resumable.
+"""Prompts for the RL loop: built-in tasks, or JSONL, Parquet and HF ``datasets`` directories
+(read locally with pyarrow), shuffled deterministically, resumable.
 
-A JSONL line has ``prompt`` (text) or ``messages`` (chat), and optionally ``label`` and
-``data_source``. Built-in tasks are generated locally from the seed (no downloads) and carry
-checkable labels:
+A row has ``prompt`` (text) or ``messages`` (chat), and optionally ``label`` and
+``data_source``; ``data.prompt_key``, ``messages_key`` and ``label_key`` name other fields. The
+chat template is the tokenizer's (``rl.loop.next_prompts``). Built-in tasks are generated
+locally from the seed (no downloads) and carry checkable labels:
   arithmetic  "What is 17 + 25? ..."  label "42"           (reward builtin:exact_numeric)
   format      "... End with the line 'Answer: <word>'"      (reward builtin:format)
 """
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from relax_launch.rl.config import DataConfig
 
 WORDS = ("cat", "light", "tree", "blue", "rain", "sing", "moon", "day", "fun", "cold", "go", "red")
 
@@ -62,35 +67,100 @@ BUILTIN_TASKS = {"arithmetic": arithmetic, "format": format_task}
 BUILTIN_SIZE = 1000
 
 
-def load_prompts(dataset: str, seed: int) -> list[Prompt]:
-    """Every prompt of ``dataset`` (builtin:NAME or a .jsonl path); errors name the line."""
-    if dataset.startswith("builtin:"):
-        return BUILTIN_TASKS[dataset[8:]](BUILTIN_SIZE, seed)
-    prompts = []
-    for number, line in enumerate(Path(dataset).read_text().splitlines(), start=1):
-        if line.strip():
-            prompts.append(_from_json(line, len(prompts), f"{dataset}:{number}"))
+def load_prompts(data: DataConfig) -> list[Prompt]:
+    """Every prompt of ``data.dataset``: a built-in task, or the rows of a JSONL file, a Parquet
+    file or an HF ``datasets`` directory, read with the data's key mapping. Errors name the file
+    and the line or row, and what to do."""
+    if data.dataset.startswith("builtin:"):
+        return BUILTIN_TASKS[data.dataset[8:]](BUILTIN_SIZE, data.seed)
+    prompts = [from_row(row, i, where, data) for i, (where, row) in enumerate(read_rows(data))]
     if not prompts:
-        raise ValueError(f"data.dataset {dataset} has no prompts; add JSONL lines with 'prompt'")
+        raise ValueError(f"data.dataset {data.dataset} has no prompts")
     return prompts
 
 
-def _from_json(line: str, index: int, where: str) -> Prompt:
+def read_rows(data: DataConfig) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of the dataset's file or directory."""
+    path = Path(data.dataset).expanduser()
+    if path.suffix == ".jsonl":
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                yield f"{path}:{number}", _json_row(line, f"{path}:{number}")
+        return
+    for file in [path] if path.suffix == ".parquet" else table_files(path, data.split):
+        for number, row in enumerate(read_table(file).to_pylist(), start=1):
+            yield f"{file} row {number}", row
+
+
+def table_files(directory: Path, split: str) -> list[Path]:
+    """The files of one split of a dataset directory: ``save_to_disk``'s Arrow files (a
+    DatasetDict keeps one directory per split), else the Parquet files named after the split or
+    in a directory named after it (the Hub's layout), else every Parquet file there."""
+    if not directory.is_dir():
+        raise ValueError(
+            f"data.dataset {directory} is not a .jsonl or .parquet file or a directory"
+        )
+    if (directory / "dataset_dict.json").is_file():
+        splits = json.loads((directory / "dataset_dict.json").read_text())["splits"]
+        if split not in splits:
+            raise ValueError(f"data.split={split!r} is not in {directory}: it has {splits}")
+        directory = directory / split
+    if (directory / "state.json").is_file():
+        state = json.loads((directory / "state.json").read_text())
+        return [directory / f["filename"] for f in state["_data_files"]]
+    parquet = sorted(directory.rglob("*.parquet"))
+    named = [f for f in parquet if f.name.startswith(split) or f.parent.name == split]
+    if not (named or parquet):
+        raise ValueError(f"data.dataset {directory} has no Parquet or datasets Arrow files")
+    return named or parquet
+
+
+def read_table(file: Path) -> Any:
+    """A pyarrow table from a Parquet file or an Arrow stream file (what ``datasets`` writes)."""
+    import pyarrow as pa  # only for datasets in files
+    import pyarrow.parquet as pq
+
     try:
-        row: Any = json.loads(line)
+        if file.suffix == ".parquet":
+            return pq.read_table(file)
+        with pa.memory_map(str(file)) as source:
+            return pa.ipc.open_stream(source).read_all()
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ValueError(f"data.dataset: cannot read {file}: {exc}") from None
+
+
+def _json_row(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not JSON ({exc})") from None
+
+
+def from_row(row: Any, index: int, where: str, data: DataConfig) -> Prompt:
+    """A prompt from one row: its ``prompt_key`` text or ``messages_key`` chat, and the optional
+    ``label_key`` and ``data_source``."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: a line must be a JSON object")
-    if isinstance(row.get("prompt"), str) and row["prompt"]:
-        messages = ({"role": "user", "content": row["prompt"]},)
-    elif isinstance(row.get("messages"), list) and row["messages"]:
-        messages = tuple(row["messages"])
+        raise ValueError(f"{where}: a row must be an object with named fields")
+    text, chat = row.get(data.prompt_key), row.get(data.messages_key)
+    if isinstance(text, str) and text:
+        messages: tuple[dict[str, str], ...] = ({"role": "user", "content": text},)
+    elif isinstance(chat, list) and chat and all(_is_message(m) for m in chat):
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in chat)
     else:
-        raise ValueError(f"{where}: needs a non-empty 'prompt' string or 'messages' list")
-    label = row.get("label")
+        raise ValueError(
+            f"{where}: needs a non-empty {data.prompt_key!r} string or {data.messages_key!r} list "
+            f"of {{role, content}} (fields: {', '.join(row)}); set data.prompt_key or "
+            "data.messages_key to the dataset's field"
+        )
+    label = row.get(data.label_key)
     return Prompt(
         index, messages, None if label is None else str(label), row.get("data_source", "default")
+    )
+
+
+def _is_message(message: Any) -> bool:
+    return (
+        isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message
     )
 
 

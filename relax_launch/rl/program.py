@@ -32,7 +32,7 @@ def rl_program(job: JobConfig) -> Any:
     def program(session: Session) -> list[dict[str, float]]:
         log_dir = job.log_dir
         prompts = PromptStream(
-            load_prompts(job.data.dataset, job.data.seed),
+            load_prompts(job.data),
             shuffle=job.data.shuffle,
             seed=job.data.seed,
         )

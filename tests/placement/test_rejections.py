@@ -237,9 +237,9 @@ CASES = {
         ["data.dataset", "does not exist"],
     ),
     "unknown builtin dataset": (["data.dataset=builtin:chess"], ["unknown built-in dataset"]),
-    "dataset neither builtin nor jsonl": (
+    "dataset dataset of an unread format": (
         ["data.dataset=prompts.csv"],
-        ["neither builtin:NAME nor a .jsonl"],
+        ["neither builtin:NAME, a .jsonl or .parquet file nor a directory"],
     ),
     "reward source with both kinds": (
         ["reward.sources=[{name: a, function: 'm:f', genrm: true}]"],

@@ -21,7 +21,7 @@ def expected_rounds(steps: int) -> list[tuple[int, int]]:
     even, so which groups have signal follows from the seeded prompt order alone."""
     job = load_config(str(CONFIG))
     a, per_round = job.algorithm, job.data.prompts_per_step
-    stream = PromptStream(load_prompts(job.data.dataset, job.data.seed), shuffle=True, seed=0)
+    stream = PromptStream(load_prompts(job.data), shuffle=True, seed=0)
     out = []
     for _ in range(steps):
         kept = flat = rounds = 0

@@ -14,7 +14,7 @@ from rich.console import Console
 from relax_launch.rl import loop
 from relax_launch.rl.advantages import distill_advantages, grpo
 from relax_launch.rl.batch import assign_advantages, to_batch
-from relax_launch.rl.config import RewardConfig, RewardSource
+from relax_launch.rl.config import DataConfig, RewardConfig, RewardSource
 from relax_launch.rl.data import PromptStream, load_prompts
 from relax_launch.rl.loop import drop_stale
 from relax_launch.rl.report import MetricsLog
@@ -27,6 +27,10 @@ from relax_launch.rl.rewards import (
 )
 from relax_launch.rl.samples import Sample
 from relax_launch.trainer.losses import LossSpec, policy_loss, reference_kl
+
+
+def data(dataset, seed: int = 0) -> DataConfig:
+    return DataConfig(dataset=str(dataset), seed=seed)
 
 
 def sample(text="", label=None, group=0, response=(5, 6), logprobs=(-1.0, -2.0)) -> Sample:
@@ -161,18 +165,18 @@ def test_samples_older_than_the_staleness_bound_are_not_trained_on():
 
 
 def test_builtin_tasks_are_deterministic_and_checkable():
-    a, b = load_prompts("builtin:arithmetic", seed=3), load_prompts("builtin:arithmetic", seed=3)
+    a, b = load_prompts(data("builtin:arithmetic", 3)), load_prompts(data("builtin:arithmetic", 3))
     assert a == b and len(a) == 1000
     question = a[0].messages[0]["content"]
     x, y = (int(v) for v in question.removeprefix("What is ").split("?")[0].split(" + "))
     assert a[0].label == str(x + y)
-    assert load_prompts("builtin:format", seed=0)[0].label is None
+    assert load_prompts(data("builtin:format"))[0].label is None
 
 
 def test_prompt_stream_shuffles_per_epoch_and_resumes(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(f'{{"prompt": "q{i}", "label": {i}}}' for i in range(5)) + "\n")
-    prompts = load_prompts(str(path), seed=0)
+    prompts = load_prompts(data(path))
     stream = PromptStream(prompts, shuffle=True, seed=1)
     first = [p.index for p in stream.next_batch(3)]
     cursor = stream.checkpoint()
@@ -195,7 +199,7 @@ def test_bad_datasets_are_named(tmp_path, content, message):
     path = tmp_path / "d.jsonl"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        load_prompts(str(path), seed=0)
+        load_prompts(data(path))
 
 
 def config(*sources) -> RewardConfig:
@@ -312,18 +316,17 @@ class WordTokenizer:
 
 
 def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
-    from relax_launch.config import DataConfig
     from relax_launch.rl.loop import RLContext, next_prompts
 
     path = tmp_path / "d.jsonl"
     rows = ['{"prompt": "short one"}', '{"prompt": "' + "long " * 50 + '"}', '{"prompt": "ok too"}']
     path.write_text("\n".join(rows) + "\n")
-    data = DataConfig(dataset=str(path), prompts_per_step=2, max_prompt_tokens=8, shuffle=False)
+    limits = DataConfig(dataset=str(path), prompts_per_step=2, max_prompt_tokens=8, shuffle=False)
     ctx = RLContext(
         session=None,
         algorithm=None,
-        data=data,
-        prompts=PromptStream(load_prompts(str(path), 0), shuffle=False, seed=0),
+        data=limits,
+        prompts=PromptStream(load_prompts(limits), shuffle=False, seed=0),
         tokenizer=WordTokenizer(),
         rewards=None,
         log=None,
@@ -334,7 +337,7 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
     assert [p.index for p, _ in chosen] == [0, 2] and ctx.skipped_prompts == 1
     only_long = tmp_path / "long.jsonl"
     only_long.write_text(rows[1] + "\n")
-    ctx.prompts = PromptStream(load_prompts(str(only_long), 0), shuffle=False, seed=0)
+    ctx.prompts = PromptStream(load_prompts(data(only_long)), shuffle=False, seed=0)
     with pytest.raises(RuntimeError, match="max_prompt_tokens=8"):
         next_prompts(ctx)
 
