@@ -32,7 +32,7 @@ def _load_and_plan(
         check_runnable(placement)
         from relax_launch.rl.inputs import check_inputs  # reads the data, imports rewards
 
-        check_inputs(job.data, job.reward)
+        check_inputs(job.data, job.reward, job.eval)
     return job, placement, notes
 
 

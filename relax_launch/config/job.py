@@ -15,7 +15,7 @@ from relax_launch.inference.config import (
     TeacherConfig,
 )
 from relax_launch.placement.config import ClusterConfig, PlacementConfig
-from relax_launch.rl.config import AlgorithmConfig, DataConfig, RewardConfig
+from relax_launch.rl.config import AlgorithmConfig, DataConfig, EvalConfig, RewardConfig
 from relax_launch.runtime.config import CheckpointConfig, LoggingConfig
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
@@ -39,6 +39,9 @@ class JobConfig(Section):
     genrm: GenRMConfig | None = Field(None, description="GenRM judge engines; unset: no judge.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Algorithm.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    eval: EvalConfig | None = Field(
+        None, description="Periodic evaluation on held-out prompts; unset: none."
+    )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward sources.")
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="Trainer -> rollout weight sync."
@@ -266,10 +269,30 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
             f"algorithm.overlong_buffer_tokens={a.overlong_buffer_tokens} must be below "
             f"data.max_response_tokens={job.data.max_response_tokens}."
         )
+    problems += _eval_problems(job)
     if "rollout_correction_cap" in a.model_fields_set and job.rollout_correction() == "none":
         problems.append(
             "algorithm.rollout_correction_cap is set but the rollout correction is none (auto "
             "turns it on only off-policy or at another engine dtype): set "
             "algorithm.rollout_correction=token_tis or sequence_mis, or remove the cap."
+        )
+    return problems
+
+
+def _eval_problems(job: JobConfig) -> list[str]:
+    """Evaluation needs engines that serve between steps, and prompts the training never sees."""
+    if job.eval is None:
+        return []
+    problems = []
+    if job.placement.mode != "decoupled":
+        problems.append(
+            f"eval samples between steps with the rollout engines, which placement.mode="
+            f"{job.placement.mode} has offloaded then: remove the eval section or use decoupled."
+        )
+    same_task = job.eval.dataset == job.data.dataset and job.data.dataset.startswith("builtin:")
+    if same_task and job.eval.seed == job.data.seed:
+        problems.append(
+            f"eval.seed={job.eval.seed} equals data.seed: {job.eval.dataset} would evaluate on "
+            "the training prompts; give eval.seed another value."
         )
     return problems

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from relax_launch.config.section import Section
 
@@ -235,3 +235,69 @@ class RewardConfig(Section):
     def uses_genrm(self) -> bool:
         """Whether any source asks the GenRM judge."""
         return any(s.genrm for s in self.sources)
+
+
+class EvalConfig(Section):
+    """Periodic evaluation on held-out prompts with the rollout engines' current weights."""
+
+    dataset: str = Field(
+        description="Held-out prompts, in any data.dataset form (builtin:NAME, .jsonl, .parquet, "
+        "a dataset directory)."
+    )
+    split: str = Field("test", description="The split of a dataset directory.")
+    prompt_key: str = Field("prompt", min_length=1, description="As data.prompt_key.")
+    messages_key: str = Field("messages", min_length=1, description="As data.messages_key.")
+    label_key: str = Field("label", min_length=1, description="As data.label_key.")
+    seed: int = Field(
+        1, description="Seed of a built-in task's prompts (data.seed draws the training ones)."
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate the first this-many prompts (file order); unset: all."
+    )
+    every_steps: int = Field(
+        0,
+        ge=0,
+        description="Evaluate after every this-many steps, and after the last; 0: only "
+        "after the last.",
+    )
+    n_samples: int = Field(1, ge=1, description="Samples per prompt.")
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature; 0: greedy (then n_samples must be 1)."
+    )
+    max_response_tokens: int | None = Field(
+        None, ge=1, description="Longest response; unset: data.max_response_tokens."
+    )
+    pass_threshold: float = Field(
+        1.0, description="A sample whose summed reward reaches this passes (for pass@k)."
+    )
+    pass_k: tuple[int, ...] = Field(
+        (1,), description="The k of each reported pass@k (unbiased estimate, each <= n_samples)."
+    )
+
+    @model_validator(mode="after")
+    def _sampling_consistent(self) -> EvalConfig:
+        if self.temperature == 0 and self.n_samples > 1:
+            raise ValueError(
+                f"eval.temperature=0 is greedy: its {self.n_samples} samples would be the same; "
+                "set eval.n_samples=1 or a temperature > 0"
+            )
+        if not self.pass_k or any(k < 1 or k > self.n_samples for k in self.pass_k):
+            raise ValueError(
+                f"eval.pass_k={list(self.pass_k)} needs each k in 1..eval.n_samples="
+                f"{self.n_samples}"
+            )
+        try:
+            self.data()
+        except ValidationError as exc:  # the data section's own checks, named for eval
+            reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            raise ValueError(reasons.replace("data.", "eval.")) from None
+        return self
+
+    def data(self) -> DataConfig:
+        """The eval prompts as a data section (its readers, key mapping and checks), in file
+        order."""
+        keys = ("split", "prompt_key", "messages_key", "label_key")
+        fields = {k: getattr(self, k) for k in keys if k in self.model_fields_set}
+        if not self.dataset.startswith("builtin:") and not Path(self.dataset).suffix:
+            fields["split"] = self.split  # a directory: its test split unless told otherwise
+        return DataConfig(dataset=self.dataset, shuffle=False, seed=self.seed, **fields)

@@ -5,18 +5,25 @@ the data's key mapping, and every reward function is imported and must be callab
 from __future__ import annotations
 
 from relax_launch.config import ConfigError
-from relax_launch.rl.config import DataConfig, RewardConfig
+from relax_launch.rl.config import DataConfig, EvalConfig, RewardConfig
 from relax_launch.rl.data import load_prompts
 from relax_launch.rl.rewards import load_function
 
 
-def check_inputs(data: DataConfig, reward: RewardConfig) -> int:
-    """Raise ConfigError naming the field when the data or a reward function is unusable;
-    returns the number of prompts."""
+def check_inputs(
+    data: DataConfig, reward: RewardConfig, evaluation: EvalConfig | None = None
+) -> int:
+    """Raise ConfigError naming the field when the data, the eval data or a reward function is
+    unusable; returns the number of training prompts."""
     try:
         prompts = load_prompts(data)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"data.dataset: {exc}", ("data.dataset",)) from None
+    try:
+        if evaluation is not None:
+            load_prompts(evaluation.data())
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"eval.dataset: {exc}", ("eval.dataset",)) from None
     for number, source in enumerate(reward.sources):
         if source.function is None:
             continue

@@ -24,17 +24,12 @@ from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
-from relax_launch.rl.batch import (
-    assign_advantages,
-    groups,
-    has_signal,
-    sample_metrics,
-    shape_overlong,
-    to_batch,
-)
+from relax_launch.rl.batch import assign_advantages, sample_metrics, shape_overlong, to_batch
 from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
+from relax_launch.rl.dynamic_sampling import keep_groups_with_signal
+from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.report import MetricsLog, StepProgress
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
@@ -84,6 +79,7 @@ class RLContext:
     upcoming: Future[RolloutBatch] | None = None  # off-policy: the next step's batch
     coordinator: LifecycleCoordinator | None = None  # split/defer: who holds the shared ranks
     correction: str = "none"  # algorithm.rollout_correction with auto resolved (by the job)
+    evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
 
     @property
     def spec(self) -> LossSpec:
@@ -180,7 +176,12 @@ def collect(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
     """Rollout, teacher scoring, rewards and advantages: everything a train step consumes."""
     samples, cursor, metrics = score_round(ctx, seconds)
     if ctx.algorithm.dynamic_sampling:
-        samples, cursor, metrics = keep_groups_with_signal(ctx, seconds, samples, cursor, metrics)
+        samples, cursor, metrics = keep_groups_with_signal(
+            ctx.algorithm,
+            ctx.data.prompts_per_step,
+            lambda: score_round(ctx, seconds),
+            (samples, cursor, metrics),
+        )
     return finish_batch(ctx, samples, metrics, seconds, cursor)
 
 
@@ -192,48 +193,6 @@ def score_round(
     if ctx.has_teacher:
         score_teacher(ctx, samples, seconds)
     return samples, cursor, score_rewards(ctx, samples, seconds)
-
-
-def keep_groups_with_signal(
-    ctx: RLContext,
-    seconds: dict[str, float],
-    samples: list[Sample],
-    cursor: PromptCursor,
-    metrics: dict[str, float],
-) -> tuple[list[Sample], PromptCursor, dict[str, float]]:
-    """DAPO's dynamic sampling: draw rounds of prompts until ``prompts_per_step`` groups have
-    rewards that differ, at most ``dynamic_sampling_max_rounds``; a batch still short is filled
-    with groups without signal (advantage 0). Reward metrics are over every drawn sample."""
-    a, wanted = ctx.algorithm, ctx.data.prompts_per_step
-    kept: list[list[Sample]] = []
-    flat: list[list[Sample]] = []
-    rounds = [metrics]
-    while True:
-        for group in groups(samples, a.n_samples_per_prompt):
-            (kept if has_signal(group) else flat).append(group)
-        if len(kept) >= wanted or len(rounds) == a.dynamic_sampling_max_rounds:
-            break
-        samples, cursor, more = score_round(ctx, seconds)
-        rounds.append(more)
-    padded = max(wanted - len(kept), 0)
-    chosen = kept[:wanted] + flat[:padded]
-    for number, group in enumerate(chosen):
-        for s in group:
-            s.group = number
-    metrics = {k: merged(k, [m[k] for m in rounds]) for k in rounds[0]}
-    metrics |= {
-        "data/sampling_rounds": len(rounds),
-        "data/groups_without_signal": len(flat),
-        "data/groups_padded": padded,
-        "data/response_tokens_drawn": sum(len(s.response_ids) for g in kept + flat for s in g),
-    }
-    return [s for group in chosen for s in group], cursor, metrics
-
-
-def merged(key: str, values: list[float]) -> float:
-    """One metric over rounds of equal size: a source's mean reward averages, counts add up."""
-    mean = key.startswith("reward/") and not key.endswith("/failed")
-    return sum(values) / len(values) if mean else sum(values)
 
 
 def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], PromptCursor]:
@@ -387,6 +346,11 @@ def run_steps(
             if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
                 with timed(ctx.seconds, "checkpoint"):
                     save_checkpoint(ctx, step + 1)
+            if ctx.evaluation is not None and ctx.evaluation.due(step + 1, num_steps):
+                with timed(ctx.seconds, "eval"):  # the weights this step synced
+                    metrics |= ctx.evaluation.run(
+                        ctx.engines, ctx.rewards, ctx.data.max_response_tokens
+                    )
             ended = clock()
             metrics |= step_times(ctx.seconds, ended - began)
             began = ended

@@ -13,6 +13,7 @@ from relax_launch.models.build import ensure_model
 from relax_launch.rl import rollout
 from relax_launch.rl.colocated import colocated_step
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
+from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.loop import RLContext, rl_step, run
 from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
@@ -78,12 +79,16 @@ def rl_context(
     judge = None
     if job.genrm is not None:
         judge = functools.partial(rollout.judge, engines, max_tokens=JUDGE_MAX_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model())))
+    evaluation = None
+    if job.eval is not None:
+        evaluation = Evaluation(job.eval, tokenizer, job.data.max_prompt_tokens)
     return RLContext(
         session=session,
         algorithm=job.algorithm,
         data=job.data,
         prompts=prompts,
-        tokenizer=AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model()))),
+        tokenizer=tokenizer,
         rewards=Rewards(job.reward, judge=judge),
         log=log,
         has_teacher=job.teacher is not None,
@@ -92,6 +97,7 @@ def rl_context(
         checkpoints=checkpoints,
         checkpoint_every=job.checkpoint.every_steps,
         correction=job.rollout_correction(),
+        evaluation=evaluation,
     )
 
 

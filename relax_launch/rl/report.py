@@ -25,11 +25,22 @@ from relax_launch.runtime.config import LoggingConfig, WandbConfig
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-PHASE_KEYS = ("rollout", "teacher", "reward", "train", "wait", "sync", "checkpoint", "other")
+PHASE_KEYS = (
+    "rollout",
+    "teacher",
+    "reward",
+    "train",
+    "wait",
+    "sync",
+    "checkpoint",
+    "eval",
+    "other",
+)
 # One panel per entry: title, y-axis label and the curves it draws (each only when the run has
 # it); one panel per reward source follows "reward".
 PANELS = (
     ("reward", "mean reward", ("reward",)),
+    ("evaluation", "mean reward, pass@k", ()),  # its curves: the run's eval scores
     ("KL", "nats per token", ("reverse_kl", "kl_ref", "approx_kl")),
     ("policy loss", "loss", ("loss",)),
     ("gradient norm", "L2 norm", ("grad_norm",)),
@@ -217,6 +228,11 @@ class StepProgress:
             parts.append(f"KL-ref {m['kl_ref']:.4f}")
         if m.get("staleness"):
             parts.append(f"stale {int(m['staleness'])}")
+        if "eval/reward" in m:
+            scores = [
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if is_eval_score(k)
+            ]
+            parts.append("eval " + " ".join(scores))
         parts.append(f"{m['tokens_per_s']:.0f} tok/s")
         parts.append(" ".join(f"{p} {m[f'time/{p}']:.1f}s" for p in PHASE_KEYS if f"time/{p}" in m))
         turns = [v for k, v in m.items() if k.startswith(("time/onload_", "time/offload_"))]
@@ -247,6 +263,16 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
                 f"  {key:<14} first {k}: {mean(history[:k], key):9.4f}   "
                 f"last {k}: {mean(history[-k:], key):9.4f}"
             )
+    evaluated = [r for r in history if "eval/reward" in r]
+    if evaluated:
+        first, last = evaluated[0], evaluated[-1]
+        scores = [k for k in last if is_eval_score(k)]
+        lines.append(
+            f"  {'eval':<14} step {int(first['step'])}: "
+            + ", ".join(f"{k.removeprefix('eval/')} {first[k]:.4f}" for k in scores)
+            + f"   step {int(last['step'])}: "
+            + ", ".join(f"{k.removeprefix('eval/')} {last[k]:.4f}" for k in scores)
+        )
     share = {p: sum(r.get(f"time/{p}", 0.0) for r in history) for p in PHASE_KEYS}
     share["turns"] = sum(  # split/defer: onloads and offloads between the roles' phases
         v for r in history for k, v in r.items() if k.startswith(("time/onload_", "time/offload_"))
@@ -260,6 +286,11 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
         )
     lines.append(f"  metrics: {metrics_path}   curves: {plot}")
     return "\n".join(lines)
+
+
+def is_eval_score(key: str) -> bool:
+    """The evaluation's scores: its mean reward and each pass@k."""
+    return key == "eval/reward" or key.startswith("eval/pass@")
 
 
 def plot_curves(history: list[dict[str, float]], path: Path) -> Figure:
@@ -301,6 +332,12 @@ def shown_panels(history: list[dict[str, float]]) -> list[tuple[str, str, tuple[
     panels = []
     for title, unit, keys in PANELS:
         panels.append((title, unit, keys))
+        if title == "evaluation":
+            panels[-1] = (
+                title,
+                unit,
+                tuple(sorted({k for r in history for k in r if is_eval_score(k)})),
+            )
         if title == "reward":
             panels += [
                 (f"reward: {k.removeprefix('reward/')}", "mean reward", (k,)) for k in sources

@@ -12,11 +12,12 @@ import torch
 
 from relax_launch.config import ConfigError
 from relax_launch.config.loading import build_config
-from relax_launch.rl import loop
 from relax_launch.rl.advantages import dr_grpo, overlong_penalty, reinforce_pp_baseline, rloo
 from relax_launch.rl.batch import assign_advantages, shape_overlong, to_batch
 from relax_launch.rl.config import AlgorithmConfig
 from relax_launch.rl.data import PromptCursor
+from relax_launch.rl.dynamic_sampling import keep_groups_with_signal
+from relax_launch.rl.evaluation import Evaluation, pass_at_k
 from relax_launch.rl.samples import Sample
 from relax_launch.trainer.losses import LossSpec, aggregate, policy_loss
 
@@ -140,26 +141,25 @@ def test_masked_positions_stay_out_of_every_correction():
         assert float(sums["is_cut"]) == 0.0 and float(sums["mismatch_kl"]) == 0.0
 
 
-def scripted_context(rounds: list[list[float]], **algorithm) -> SimpleNamespace:
-    """A context whose rounds of 2 prompts x 2 samples have the given rewards."""
-    return SimpleNamespace(
-        algorithm=AlgorithmConfig(n_samples_per_prompt=2, dynamic_sampling=True, **algorithm),
-        data=SimpleNamespace(prompts_per_step=2),
-        rounds=iter(rounds),
-    )
+def scripted_rounds(*rounds: list[float]):
+    """A draw function whose rounds of 2 prompts x 2 samples have the given rewards."""
+    remaining = iter(rounds)
+
+    def draw():
+        rewards = next(remaining)
+        samples = [sample(r, group=i // 2) for i, r in enumerate(rewards)]
+        return samples, PromptCursor(seen=len(rewards)), {"reward/answer": sum(rewards) / 4}
+
+    return draw
 
 
-def fake_round(ctx, seconds):
-    rewards = next(ctx.rounds)
-    samples = [sample(r, group=i // 2) for i, r in enumerate(rewards)]
-    return samples, PromptCursor(seen=len(rewards)), {"reward/answer": sum(rewards) / 4}
+def dynamic(**algorithm) -> AlgorithmConfig:
+    return AlgorithmConfig(n_samples_per_prompt=2, dynamic_sampling=True, **algorithm)
 
 
-def test_dynamic_sampling_draws_until_the_groups_have_signal(monkeypatch):
-    monkeypatch.setattr(loop, "score_round", fake_round)
-    ctx = scripted_context([[1, 1, 1, 0], [0, 0, 0, 1], [1, 0, 1, 0]])
-    first, cursor, metrics = fake_round(ctx, {})
-    samples, cursor, metrics = loop.keep_groups_with_signal(ctx, {}, first, cursor, metrics)
+def test_dynamic_sampling_draws_until_the_groups_have_signal():
+    draw = scripted_rounds([1, 1, 1, 0], [0, 0, 0, 1], [1, 0, 1, 0])
+    samples, cursor, metrics = keep_groups_with_signal(dynamic(), 2, draw, draw())
     # round 1 keeps group (1, 0); round 2 keeps (0, 1): full after 2 rounds, round 3 not drawn
     assert [s.reward for s in samples] == [1, 0, 0, 1]
     assert [s.group for s in samples] == [0, 0, 1, 1]
@@ -168,13 +168,13 @@ def test_dynamic_sampling_draws_until_the_groups_have_signal(monkeypatch):
     assert metrics["reward/answer"] == pytest.approx((0.75 + 0.25) / 2)  # over every round
 
 
-def test_dynamic_sampling_is_bounded_and_fills_with_flat_groups(monkeypatch):
-    monkeypatch.setattr(loop, "score_round", fake_round)
-    ctx = scripted_context([[1, 1, 0, 1], [0, 0, 1, 1]], dynamic_sampling_max_rounds=2)
-    first, cursor, metrics = fake_round(ctx, {})
-    samples, _, metrics = loop.keep_groups_with_signal(ctx, {}, first, cursor, metrics)
+def test_dynamic_sampling_is_bounded_and_fills_with_flat_groups():
+    draw = scripted_rounds([1, 1, 0, 1], [0, 0, 1, 1], [0, 1, 0, 1])
+    algorithm = dynamic(dynamic_sampling_max_rounds=2)
+    samples, cursor, metrics = keep_groups_with_signal(algorithm, 2, draw, draw())
     assert [s.reward for s in samples] == [0, 1, 1, 1]  # one with signal, one padded
     assert metrics["data/groups_padded"] == 1 and metrics["data/sampling_rounds"] == 2
+    assert cursor.seen == 4  # the second round's: the third was never drawn
 
 
 @pytest.mark.parametrize(
@@ -221,3 +221,36 @@ def test_off_policy_turns_the_correction_on_and_says_so():
     assert job.rollout_correction() == "token_tis"
     assert "truncated at 2.0 (token_tis)" in job.off_policy_notice()
     assert build_config(raw, ["algorithm.rollout_correction=none"]).off_policy_notice() is None
+
+
+def test_pass_at_k_by_hand():
+    # 4 samples, 1 passed: pass@1 = 1/4; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+
+
+def test_evaluation_is_due_every_k_steps_and_after_the_last():
+    every = SimpleNamespace(config=SimpleNamespace(every_steps=2))
+    assert [Evaluation.due(every, s, 5) for s in range(1, 6)] == [False, True, False, True, True]
+    only_end = SimpleNamespace(config=SimpleNamespace(every_steps=0))
+    assert [Evaluation.due(only_end, s, 3) for s in range(1, 4)] == [False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n_samples": 4}, "eval.temperature=0 is greedy"),
+        ({"n_samples": 2, "temperature": 1.0, "pass_k": [4]}, r"pass_k=\[4\] needs each k"),
+        ({"prompt_key": "q"}, "eval.prompt_key names fields of a dataset file"),
+        ({"seed": 0}, "would evaluate on the training prompts"),
+    ],
+)
+def test_eval_settings_that_cannot_work_are_refused(fields, message):
+    raw = {
+        "cluster": {"nproc_per_node": 2, "device": "cpu"},
+        "trainer": {"model": "m", "ranks": 1},
+        "rollout": {"engine": {"max_total_tokens": 64}},
+        "eval": {"dataset": "builtin:arithmetic", **fields},
+    }
+    with pytest.raises(ConfigError, match=message):
+        build_config(raw)

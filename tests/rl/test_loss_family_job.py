@@ -1,5 +1,6 @@
 """A real job with the DAPO / Dr.GRPO / GSPO family on: dynamic sampling draws more prompts when
-groups carry no signal, and masked importance sampling measures the engine/trainer mismatch."""
+groups carry no signal, masked importance sampling measures the engine/trainer mismatch, and
+held-out prompts are evaluated every 2 steps and after the last."""
 
 from __future__ import annotations
 
@@ -45,4 +46,11 @@ def test_dynamic_sampling_and_rollout_correction_in_a_real_job(tmp_path):
         assert s["mismatch_kl"] < 1e-3 and s["is_cut_fraction"] == 0.0
         assert s["is_ratio_max"] == pytest.approx(1.0, abs=0.05)
         assert s["grad_norm"] > 0  # the kept groups have signal
+    # evaluation after steps 2 and 3 (every 2, and the last): 4 prompts x 2 samples
+    assert ["eval/reward" in s for s in steps] == [False, True, True]
+    for s in steps[1:]:
+        assert s["eval/prompts"] == 4 and s["eval/samples_invalid"] == 0
+        assert 0.0 <= s["eval/pass@1"] <= s["eval/pass@2"] <= 1.0 and s["time/eval"] > 0
+    assert "eval reward " in result.stdout and "pass@2 " in result.stdout
+    assert "  eval           step 2: reward " in result.stdout
     assert_calm_console(result, tmp_path, ranks=3, steps=3)

@@ -1,0 +1,81 @@
+"""Periodic evaluation: held-out prompts sampled by the rollout engines with the weights just
+synced, scored by the job's reward sources; mean reward and unbiased pass@k go to the step's
+metrics (so to metrics.jsonl, TensorBoard, the curves and the summary)."""
+
+from __future__ import annotations
+
+from math import comb
+from typing import Any
+
+from relax_launch.inference.inprocess import EngineClients
+from relax_launch.rl import rollout
+from relax_launch.rl.config import EvalConfig
+from relax_launch.rl.data import Prompt, load_prompts
+from relax_launch.rl.rewards import Rewards
+
+
+def pass_at_k(n: int, passed: int, k: int) -> float:
+    """The unbiased pass@k of one prompt from ``passed`` of ``n`` samples: the chance that k of
+    them drawn without replacement include one that passed (Chen et al., 2021)."""
+    if n - passed < k:
+        return 1.0
+    return 1.0 - comb(n - passed, k) / comb(n, k)
+
+
+class Evaluation:
+    """The eval prompts, tokenized once (those over the prompt limit left out and counted)."""
+
+    def __init__(self, config: EvalConfig, tokenizer: Any, max_prompt_tokens: int) -> None:
+        self.config = config
+        prompts = load_prompts(config.data())[: config.max_prompts]
+        self.prompts: list[tuple[Prompt, list[int]]] = []
+        for prompt in prompts:
+            text = tokenizer.apply_chat_template(
+                list(prompt.messages), add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) <= max_prompt_tokens:
+                self.prompts.append((prompt, ids))
+        self.skipped = len(prompts) - len(self.prompts)
+        if not self.prompts:
+            raise ValueError(
+                f"eval.dataset {config.dataset}: every prompt is longer than "
+                f"data.max_prompt_tokens={max_prompt_tokens}"
+            )
+
+    def due(self, step: int, num_steps: int) -> bool:
+        """Whether to evaluate after ``step`` (1-based): every ``every_steps`` and the last."""
+        every = self.config.every_steps
+        return step == num_steps or (every > 0 and step % every == 0)
+
+    def run(
+        self, engines: EngineClients, rewards: Rewards, max_response_tokens: int
+    ) -> dict[str, float]:
+        """Sample, score and summarise: ``eval/reward``, ``eval/pass@k``, the mean response
+        length and failed rewards."""
+        c = self.config
+        samples = rollout.generate(
+            engines,
+            self.prompts,
+            n=c.n_samples,
+            temperature=c.temperature,
+            max_tokens=c.max_response_tokens or max_response_tokens,
+        )
+        metrics = rewards.score(samples)
+        scored = [s for s in samples if s.valid]
+        out = {
+            "eval/reward": sum(s.reward for s in scored) / len(scored),
+            "eval/response_tokens": sum(len(s.response_ids) for s in samples) / len(samples),
+            "eval/samples_invalid": len(samples) - len(scored),
+            "eval/prompts": len(self.prompts),
+            "eval/skipped_long_prompts": self.skipped,
+        }
+        out |= {f"eval/{k}": v for k, v in metrics.items() if k.endswith("/failed")}
+        for k in c.pass_k:
+            per_prompt = []
+            for group in range(len(self.prompts)):
+                mine = samples[group * c.n_samples : (group + 1) * c.n_samples]
+                passed = sum(s.valid and s.reward >= c.pass_threshold for s in mine)
+                per_prompt.append(pass_at_k(c.n_samples, passed, k))
+            out[f"eval/pass@{k}"] = sum(per_prompt) / len(per_prompt)
+        return out
