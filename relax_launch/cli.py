@@ -32,7 +32,7 @@ def _load_and_plan(
         check_runnable(placement)
         from relax_launch.rl.inputs import check_inputs  # reads the data, imports rewards
 
-        check_inputs(job.data, job.reward, job.eval)
+        check_inputs(job.data, job.reward, job.eval, job.rollout.function)
     return job, placement, notes
 
 

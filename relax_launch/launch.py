@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         if rank == 0:  # the controller reads the data and calls the rewards
             from relax_launch.rl.inputs import check_inputs
 
-            check_inputs(job.data, job.reward, job.eval)
+            check_inputs(job.data, job.reward, job.eval, job.rollout.function)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2

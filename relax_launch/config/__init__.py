@@ -26,6 +26,7 @@ _EXPORTS = {
     "PlacementConfig": "relax_launch.placement.config",
     "AlgorithmConfig": "relax_launch.rl.config",
     "DataConfig": "relax_launch.rl.config",
+    "EvalConfig": "relax_launch.rl.config",
     "RewardConfig": "relax_launch.rl.config",
     "RewardSource": "relax_launch.rl.config",
     "CheckpointConfig": "relax_launch.runtime.config",

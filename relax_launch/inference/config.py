@@ -114,6 +114,14 @@ class RolloutConfig(InferenceRoleConfig):
     model: str | None = Field(
         None, description="Rollout model; default trainer.model (it must match the trainer's)."
     )
+    function: str | None = Field(
+        None,
+        pattern=r"^(builtin:calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        description="Agentic rollouts: an async function (builtin:calculator or "
+        "package.module:function) given each prompt and an OpenAI-compatible client of these "
+        "engines; it may run several turns and call tools, and returns the conversation. Only "
+        "the engine's tokens are trained. Unset: one response per sample.",
+    )
     fault_tolerance: bool = Field(
         False,
         description="An engine whose server dies is taken out of routing, its lost generations "

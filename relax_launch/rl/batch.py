@@ -9,6 +9,8 @@ from relax_launch.rl.config import AlgorithmConfig
 from relax_launch.rl.samples import Sample
 from relax_launch.trainer.batch import TokenBatch
 
+OUTCOMES = ("out_of_budget", "failed", "rejected")  # how an agentic conversation ended early
+
 
 def shape_overlong(samples: list[Sample], algorithm: AlgorithmConfig, max_tokens: int) -> int:
     """DAPO's over-long shaping (a penalty added to the reward of responses near the limit) and
@@ -67,7 +69,8 @@ def to_batch(samples: list[Sample], distill_coef: float) -> TokenBatch:
             per_token = [a + d for a, d in zip(per_token, extra, strict=True)]
         prompt_len = len(s.prompt_ids)
         tokens.append(tuple(s.prompt_ids + s.response_ids))
-        masks.append(tuple([0.0] * prompt_len + [float(trained)] * len(s.response_ids)))
+        produced = s.response_mask or [1.0] * len(s.response_ids)  # agentic: engine tokens
+        masks.append(tuple([0.0] * prompt_len + [float(trained) * m for m in produced]))
         weights.append(tuple([0.0] * prompt_len + per_token))
         old.append(tuple([0.0] * prompt_len + s.logprobs))
     return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old))
@@ -88,6 +91,10 @@ def sample_metrics(
         "tokens_per_s": drawn / rollout_s if rollout_s else 0.0,
         "samples_invalid": len(samples) - len(valid),
     }
+    agentic = [s for s in samples if s.response_mask is not None]
+    if agentic:
+        out["agent/turns"] = sum(s.turns for s in agentic) / len(agentic)
+        out |= {f"agent/{o}": sum(s.outcome == o for s in agentic) for o in OUTCOMES}
     scored = [s for s in samples if s.teacher_logprobs]
     if scored:
         diffs = [

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from relax_launch.config.section import Section
 
-BUILTIN_DATASETS = ("arithmetic", "format")
+BUILTIN_DATASETS = ("arithmetic", "format", "word_problems")
 BUILTIN_REWARDS = ("exact_numeric", "format")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

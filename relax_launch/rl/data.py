@@ -7,6 +7,8 @@ chat template is the tokenizer's (``rl.loop.next_prompts``). Built-in tasks are 
 locally from the seed (no downloads) and carry checkable labels:
   arithmetic  "What is 17 + 25? ..."  label "42"           (reward builtin:exact_numeric)
   format      "... End with the line 'Answer: <word>'"      (reward builtin:format)
+  word_problems  "Ann has 17 apples and buys 25 more. ..."  label "42", with a system prompt
+                 offering the calculator of rollout.function: builtin:calculator
 """
 
 from __future__ import annotations
@@ -63,7 +65,36 @@ def format_task(count: int, seed: int) -> list[Prompt]:
     return prompts
 
 
-BUILTIN_TASKS = {"arithmetic": arithmetic, "format": format_task}
+CALCULATOR_SYSTEM = (
+    "You can use a calculator: write <calc>EXPRESSION</calc> with numbers, + - * / and "
+    "parentheses, and you will get its result. End your final reply with 'Answer: <number>'."
+)
+STORIES = (
+    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", "+"),
+    ("{name} had {a} stamps and gave {b} of them away. How many stamps are left?", "-"),
+    ("{name} buys {a} boxes with {b} pencils in each. How many pencils is that in total?", "*"),
+)
+NAMES = ("Ann", "Ben", "Cleo", "Dev", "Eva", "Finn")
+
+
+def word_problems(count: int, seed: int) -> list[Prompt]:
+    """``count`` problems with integer answers, from the seed."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        story, op = rng.choice(STORIES)
+        a, b = rng.randint(12, 99), rng.randint(2, 11)
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        text = story.format(name=rng.choice(NAMES), a=a, b=b)
+        messages = (
+            {"role": "system", "content": CALCULATOR_SYSTEM},
+            {"role": "user", "content": text},
+        )
+        prompts.append(Prompt(i, messages, str(answer), "word_problems"))
+    return prompts
+
+
+BUILTIN_TASKS = {"arithmetic": arithmetic, "format": format_task, "word_problems": word_problems}
 BUILTIN_SIZE = 1000
 
 

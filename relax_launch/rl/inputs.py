@@ -5,16 +5,20 @@ the data's key mapping, and every reward function is imported and must be callab
 from __future__ import annotations
 
 from relax_launch.config import ConfigError
+from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.config import DataConfig, EvalConfig, RewardConfig
 from relax_launch.rl.data import load_prompts
 from relax_launch.rl.rewards import load_function
 
 
 def check_inputs(
-    data: DataConfig, reward: RewardConfig, evaluation: EvalConfig | None = None
+    data: DataConfig,
+    reward: RewardConfig,
+    evaluation: EvalConfig | None = None,
+    rollout_function: str | None = None,
 ) -> int:
-    """Raise ConfigError naming the field when the data, the eval data or a reward function is
-    unusable; returns the number of training prompts."""
+    """Raise ConfigError naming the field when the data, the eval data, a reward function or
+    the rollout function is unusable; returns the number of training prompts."""
     try:
         prompts = load_prompts(data)
     except (ValueError, OSError) as exc:
@@ -34,4 +38,12 @@ def check_inputs(
             raise ConfigError(f"{field}: {exc}; is its module on PYTHONPATH?", (field,)) from None
         if not callable(function):
             raise ConfigError(f"{field}={source.function!r} is not a function", (field,))
+    if rollout_function is not None:
+        try:
+            load_rollout_function(rollout_function)
+        except Exception as exc:  # noqa: BLE001 - whatever the user's module raises on import
+            raise ConfigError(
+                f"rollout.function: {exc} ({type(exc).__name__}); is its module on PYTHONPATH?",
+                ("rollout.function",),
+            ) from None
     return len(prompts)

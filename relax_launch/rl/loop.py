@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
-from relax_launch.rl import rollout
+from relax_launch.rl import agent, rollout
+from relax_launch.rl.agent import RolloutFunction
 from relax_launch.rl.batch import assign_advantages, sample_metrics, shape_overlong, to_batch
 from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
@@ -80,6 +81,7 @@ class RLContext:
     coordinator: LifecycleCoordinator | None = None  # split/defer: who holds the shared ranks
     correction: str = "none"  # algorithm.rollout_correction with auto resolved (by the job)
     evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
+    agent: RolloutFunction | None = None  # rollout.function: conversations instead of replies
 
     @property
     def spec(self) -> LossSpec:
@@ -201,13 +203,14 @@ def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], P
     with timed(seconds, "rollout"):
         prompts = next_prompts(ctx)
         cursor = ctx.prompts.checkpoint()
-        samples = rollout.generate(
-            ctx.engines,
-            prompts,
-            n=a.n_samples_per_prompt,
-            temperature=a.temperature,
-            max_tokens=ctx.data.max_response_tokens,
-        )
+        sampling = {"n": a.n_samples_per_prompt, "temperature": a.temperature}
+        sampling["max_tokens"] = ctx.data.max_response_tokens
+        if ctx.agent is None:
+            samples = rollout.generate(ctx.engines, prompts, **sampling)
+        else:  # conversations of several turns (rl/agent.py)
+            samples = agent.generate(
+                ctx.engines, prompts, function=ctx.agent, tokenizer=ctx.tokenizer, **sampling
+            )
     return samples, cursor
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from relax_launch.config.job import JobConfig
 from relax_launch.models.build import ensure_model
 from relax_launch.rl import rollout
+from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.colocated import colocated_step
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
 from relax_launch.rl.evaluation import Evaluation
@@ -98,6 +99,7 @@ def rl_context(
         checkpoint_every=job.checkpoint.every_steps,
         correction=job.rollout_correction(),
         evaluation=evaluation,
+        agent=load_rollout_function(job.rollout.function) if job.rollout.function else None,
     )
 
 

@@ -228,6 +228,8 @@ class StepProgress:
             parts.append(f"KL-ref {m['kl_ref']:.4f}")
         if m.get("staleness"):
             parts.append(f"stale {int(m['staleness'])}")
+        if "agent/turns" in m:
+            parts.append(f"turns {m['agent/turns']:.1f}")
         if "eval/reward" in m:
             scores = [
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if is_eval_score(k)

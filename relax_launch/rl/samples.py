@@ -25,3 +25,11 @@ class Sample:
     valid: bool = True  # False when a reward source failed for it: no gradient
     masked: bool = False  # in its group's advantages, but not trained on (over-long filtering)
     advantage: float = 0.0
+    # agentic rollouts (rl/agent.py): 1 where the engine produced the response token, 0 where
+    # the conversation did (tool results, user turns, template markup); the conversation as the
+    # rollout function returned it; its assistant turns; how it ended ("", out_of_budget,
+    # failed, rejected).
+    response_mask: list[float] | None = None
+    conversation: list[dict] | None = None
+    turns: int = 1
+    outcome: str = ""

@@ -1,0 +1,316 @@
+"""Agentic rollouts: a user function (``rollout.function``) holds a conversation of several
+turns, tools included, through an OpenAI-compatible client; the engine's tokens are trained
+with the engine's own ids and logprobs, and everything between them (tool results, user turns,
+the chat template's markup) is in the sequence but masked out of the loss.
+
+Token in, token out: each turn is generated from the exact token ids of the conversation so far
+(the earlier turns' engine ids, then the template's rendering of the messages added since), so
+nothing the engine produced is ever re-tokenised. A call whose conversation does not extend the
+previous turn (an edited assistant reply, a new history, a template that rewrites earlier turns)
+cannot be trained exactly: the sample is rejected and counted (``agent/rejected``).
+
+A rollout function: ``async def fn(prompt, client) -> list[dict]`` gets the prompt (its
+``messages``, ``label``, ``data_source``) and the client, and returns the conversation; the
+sample's text (what rewards read) is its last assistant message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from relax_launch.inference.inprocess import EngineClients
+from relax_launch.rl.data import Prompt
+from relax_launch.rl.samples import Sample
+
+SENTINEL = "\u2063relax-sentinel\u2063"  # a reply text no template alters: what follows it
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)  # Hermes / Qwen
+ACCEPTED = {"model", "tool_choice", "n", "stream", "temperature", "top_p", "stop", "tools"}
+ACCEPTED |= {"max_tokens", "max_completion_tokens"}
+Engine = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # a /generate body -> its reply
+
+
+class RolloutBudgetExceeded(RuntimeError):
+    """The conversation has used data.max_response_tokens; the rollout function may let it
+    propagate: the sample ends there and is trained as it is."""
+
+
+class RejectedTrajectory(RuntimeError):
+    """The conversation no longer extends the recorded tokens (see the module docstring)."""
+
+
+@dataclass
+class Trajectory:
+    """The tokens of one conversation after its prompt: ``mask`` 1 where the engine produced
+    the token (with its ``logprobs``), 0 where the conversation did."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    mask: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    versions: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    rejected: str | None = None
+
+
+def as_dict(message: Any) -> dict[str, Any]:
+    """A message as the chat template reads it (``openai`` message objects too)."""
+    if hasattr(message, "model_dump"):
+        return message.model_dump(exclude_none=True)
+    return dict(message)
+
+
+class AgentClient:
+    """What a rollout function gets: ``client.chat.completions.create(messages=..., tools=...,
+    temperature=..., max_tokens=...)`` as in the ``openai`` package, answered by the job's
+    rollout engines (``n`` must be 1; ``model`` is ignored) and recorded in ``trajectory``."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, temperature: float, budget: int) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.temperature, self.budget = temperature, budget
+        self.trajectory = Trajectory()
+        self.history: list[dict[str, Any]] | None = None  # the messages of the last call
+        self.reply: dict[str, Any] = {}  # the assistant message it returned
+        self.ended_with: int | None = None  # its stop token, when the engine produced one
+        self.engine_error: Exception | None = None  # raised by the engines: fails the step
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    def render(self, messages: list[dict[str, Any]], tools: Any, generate: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generate, tokenize=False
+        )
+
+    async def create(self, *, messages: list[Any], **options: Any) -> Any:
+        unknown = set(options) - ACCEPTED
+        if unknown or options.get("n", 1) != 1 or options.get("stream"):
+            raise TypeError(
+                f"the agent client does not take {sorted(unknown) or 'n != 1 or stream'}; it "
+                f"takes messages and {', '.join(sorted(ACCEPTED - {'n', 'stream'}))}"
+            )
+        tools = options.get("tools")
+        conversation = [as_dict(m) for m in messages]
+        new_tokens = self._extend(conversation, tools)
+        t = self.trajectory
+        t.ids += new_tokens
+        t.mask += [0.0] * len(new_tokens)
+        t.logprobs += [0.0] * len(new_tokens)
+        left = self.budget - len(t.ids)
+        if left <= 0:
+            raise RolloutBudgetExceeded(f"the conversation used its {self.budget} tokens")
+        wanted = options.get("max_completion_tokens") or options.get("max_tokens") or left
+        sampling = {
+            "temperature": options.get("temperature", self.temperature),
+            "max_new_tokens": min(wanted, left),
+        }
+        sampling |= {k: options[k] for k in ("top_p", "stop") if options.get(k) is not None}
+        body = {"input_ids": t.prompt_ids + t.ids, "return_logprob": True}
+        try:
+            reply = await self.engine(body | {"sampling_params": sampling})
+        except Exception as exc:  # the engines' failure, not the rollout function's
+            self.engine_error = exc
+            raise
+        text = self._record(reply)
+        self.history = conversation
+        return self._completion(text, reply)
+
+    def _extend(self, conversation: list[dict[str, Any]], tools: Any) -> list[int]:
+        """The token ids to add before this turn: the whole prompt on the first call; after
+        that, the end of the previous reply and the messages added since. A conversation that
+        does not extend the last one rejects the trajectory; it is then rendered afresh at each
+        call, so that the rollout function carries on."""
+        t, encode = self.trajectory, self.tokenizer.encode
+        if self.history is not None and t.rejected is None:
+            why, added = self._added(conversation, tools)
+            if why is None:
+                return encode(added, add_special_tokens=False)
+            t.rejected = why
+        t.prompt_ids = encode(self.render(conversation, tools, True), add_special_tokens=False)
+        t.ids, t.mask, t.logprobs = [], [], []
+        return []
+
+    def _added(self, conversation: list[dict[str, Any]], tools: Any) -> tuple[str | None, str]:
+        """(why the conversation does not extend the last one, or None; the text it adds: the
+        template's end of the last reply, less the stop token the engine produced, then the new
+        messages and the generation prompt)."""
+        seen = len(self.history)
+        if conversation[:seen] != self.history or conversation[seen : seen + 1] != [self.reply]:
+            return "the conversation is not the previous one plus the reply it got", ""
+        before = self.render(conversation[: seen + 1], tools, generate=False)
+        after = self.render(conversation, tools, generate=True)
+        if not after.startswith(before):
+            return "the chat template rewrites earlier turns", ""
+        marked = [*self.history, {"role": "assistant", "content": SENTINEL}]
+        end = self.render(marked, tools, generate=False).split(SENTINEL, 1)[1]
+        if self.ended_with is not None:
+            end = end.removeprefix(self.tokenizer.decode([self.ended_with]))
+        return None, end + after[len(before) :]
+
+    def _record(self, reply: dict[str, Any]) -> str:
+        t, meta = self.trajectory, reply["meta_info"]
+        out = list(reply["output_ids"])
+        logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
+        if len(logprobs) != len(out):
+            raise RuntimeError(
+                f"the engine returned {len(logprobs)} logprobs for {len(out)} tokens"
+            )
+        t.ids += out
+        t.mask += [1.0] * len(out)
+        t.logprobs += logprobs
+        t.turns += 1
+        t.versions.append(str(meta.get("weight_version")))
+        finish = meta.get("finish_reason") or {}
+        t.finish_reason = finish.get("type", "")
+        matched = finish.get("matched")
+        self.ended_with = matched if isinstance(matched, int) and out[-1:] == [matched] else None
+        return reply["text"]
+
+    def _completion(self, text: str, reply: dict[str, Any]) -> Any:
+        """The reply as openai's ChatCompletion; tool calls parsed from ``<tool_call>`` JSON."""
+        from openai.types.chat import ChatCompletion  # rank 0, agentic jobs only
+
+        calls = []
+        for number, match in enumerate(TOOL_CALL.finditer(text)):
+            try:
+                call = json.loads(match.group(1))
+                arguments = call.get("arguments", {})
+                function = {"name": str(call["name"]), "arguments": json.dumps(arguments)}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not a well-formed call: it stays in the text
+            calls.append({"id": f"call_{number}", "type": "function", "function": function})
+        content = TOOL_CALL.sub("", text).strip() if calls else text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        self.reply = message
+        ended = "length" if self.trajectory.finish_reason == "length" else "stop"
+        finish = "tool_calls" if calls else ended
+        meta = reply["meta_info"]
+        return ChatCompletion.model_validate(
+            {
+                "id": str(meta.get("id", "relax")),
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": "rollout",
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": {
+                    "prompt_tokens": meta.get("prompt_tokens", 0),
+                    "completion_tokens": meta.get("completion_tokens", 0),
+                    "total_tokens": meta.get("prompt_tokens", 0) + meta.get("completion_tokens", 0),
+                },
+            }
+        )
+
+
+RolloutFunction = Callable[[Prompt, AgentClient], Awaitable[list[Any]]]
+
+
+def load_rollout_function(spec: str) -> RolloutFunction:
+    """``builtin:calculator`` or ``package.module:function``, which must be async."""
+    if spec == "builtin:calculator":
+        from relax_launch.rl.calculator import calculator
+
+        return calculator
+    module, _, name = spec.partition(":")
+    function = getattr(importlib.import_module(module), name)
+    if not inspect.iscoroutinefunction(function):
+        raise ValueError(f"{spec} must be an async function (async def {name}(prompt, client))")
+    return function
+
+
+async def converse(
+    function: RolloutFunction, prompt: Prompt, client: AgentClient
+) -> tuple[list[dict[str, Any]] | None, str]:
+    """(the conversation, "") or (None, why it ended early: out_of_budget or failed). An error of
+    the engines themselves is raised: it fails the step, as in a plain rollout."""
+    try:
+        conversation = await function(prompt, client)
+    except RolloutBudgetExceeded:
+        return None, "out_of_budget"
+    except Exception:  # noqa: BLE001 - the user's function failed this sample: counted
+        if client.engine_error is not None:
+            raise client.engine_error from None
+        return None, "failed"
+    if not isinstance(conversation, list):
+        return None, "failed"
+    return [as_dict(m) for m in conversation], ""
+
+
+def generate(
+    engines: EngineClients,
+    prompts: list[tuple[Prompt, list[int]]],
+    *,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    function: RolloutFunction,
+    tokenizer: Any,
+) -> list[Sample]:
+    """``n`` conversations per prompt, all concurrent on the job's event loop, as samples in
+    prompt order; ``max_tokens`` bounds each conversation's tokens after its prompt."""
+    rollout = engines.client("rollout")
+    clients = []
+    for group in range(len(prompts)):
+        for _ in range(n):
+            key = f"g{group}"  # a prompt's conversations share an engine and its prefix cache
+            engine = functools.partial(rollout.request, "/generate", affinity_key=key)
+            clients.append(AgentClient(engine, tokenizer, temperature, max_tokens))
+
+    async def every() -> list[tuple[list[dict[str, Any]] | None, str]]:
+        tasks = [
+            asyncio.ensure_future(converse(function, prompts[i // n][0], c))
+            for i, c in enumerate(clients)
+        ]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:  # an engine's failure ends the others too
+            for task in tasks:
+                task.cancel()
+
+    outcomes = engines.run(every(), what=f"{len(clients)} agentic rollouts")
+    return [
+        to_sample(i // n, prompts[i // n], client, conversation, outcome)
+        for i, (client, (conversation, outcome)) in enumerate(zip(clients, outcomes, strict=True))
+    ]
+
+
+def to_sample(
+    group: int,
+    prompt: tuple[Prompt, list[int]],
+    client: AgentClient,
+    conversation: list[dict[str, Any]] | None,
+    outcome: str,
+) -> Sample:
+    """One conversation as a sample: trained only when it was recorded exactly and did not
+    fail (a conversation out of budget is trained as far as it went)."""
+    t, (source, ids) = client.trajectory, prompt
+    replies = [m for m in conversation or [] if m.get("role") == "assistant"]
+    text = (replies[-1] if replies else client.reply).get("content") or ""
+    numeric = [v for v in t.versions if v.lstrip("-").isdigit()]
+    sample = Sample(
+        group=group,
+        question=source.messages[-1]["content"],
+        label=source.label,
+        prompt_ids=t.prompt_ids or list(ids),
+        response_ids=t.ids,
+        logprobs=t.logprobs,
+        text=text,
+        weight_version=min(numeric, key=int) if numeric else "None",
+        finish_reason=t.finish_reason,
+        data_source=source.data_source,
+        response_mask=t.mask,
+        conversation=conversation,
+        turns=t.turns,
+        outcome=outcome or ("rejected" if t.rejected else ""),
+    )
+    sample.valid = sample.outcome in ("", "out_of_budget") and t.turns > 0
+    return sample
