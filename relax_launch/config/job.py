@@ -73,7 +73,7 @@ class JobConfig(Section):
         chosen = self.algorithm.rollout_correction
         if chosen != "auto":
             return chosen
-        other_policy = self.algorithm.off_policy_steps > 0
+        other_policy = self.algorithm.off_policy_steps > 0 or self.algorithm.max_staleness > 0
         return "token_tis" if other_policy or self.precision_differs else "none"
 
     @property
@@ -110,7 +110,7 @@ class JobConfig(Section):
         if self.rollout_correction() == "none":
             return None
         return (
-            "algorithm.off_policy_steps=1 trains on samples of the previous weights: "
+            "algorithm.off_policy_steps or max_staleness trains on samples of earlier weights: "
             f"rollout_correction=auto weights each token by the trainer-over-engine ratio "
             f"truncated at {self.algorithm.rollout_correction_cap} (token_tis); set "
             "algorithm.rollout_correction=none to train without it."
@@ -264,6 +264,19 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
             f"{job.placement.mode} cannot do (its engines take turns): turn it off or use "
             "decoupled."
         )
+    if a.max_staleness:
+        clashes = {
+            "placement.mode=decoupled": job.placement.mode != "decoupled",
+            "algorithm.off_policy_steps=0": a.off_policy_steps > 0,
+            "algorithm.dynamic_sampling off": a.dynamic_sampling,
+            "no rollout.function": job.rollout.function is not None,
+            "rollout.fault_tolerance off": job.rollout.fault_tolerance,
+        }
+        if needed := [what for what, clash in clashes.items() if clash]:
+            problems.append(
+                f"algorithm.max_staleness={a.max_staleness} (fully asynchronous) needs "
+                f"{' and '.join(needed)}: change them or set algorithm.max_staleness=0."
+            )
     if a.overlong_buffer_tokens >= job.data.max_response_tokens:
         problems.append(
             f"algorithm.overlong_buffer_tokens={a.overlong_buffer_tokens} must be below "

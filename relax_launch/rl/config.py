@@ -101,6 +101,16 @@ class AlgorithmConfig(Section):
         "versions old are not trained on.",
     )
 
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="k >= 1: fully asynchronous training (decoupled only). The rollout engines "
+        "generate continuously, at most k batches ahead of the trainer; a weight sync "
+        "interrupts what is in flight, which then continues with the new weights (each token "
+        "keeps the version that produced it); samples older than k versions are not trained "
+        "on. 0: off (see off_policy_steps).",
+    )
+
     @model_validator(mode="after")
     def _dependent_knobs_act(self) -> AlgorithmConfig:
         """A knob that only acts with another one on is refused without it."""

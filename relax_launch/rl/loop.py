@@ -25,6 +25,7 @@ from typing import Any
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import RolloutFunction
+from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.batch import assign_advantages, sample_metrics, shape_overlong, to_batch
 from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
@@ -82,6 +83,7 @@ class RLContext:
     correction: str = "none"  # algorithm.rollout_correction with auto resolved (by the job)
     evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
     agent: RolloutFunction | None = None  # rollout.function: conversations instead of replies
+    continuous: ContinuousRollout | None = None  # algorithm.max_staleness: generating always
 
     @property
     def spec(self) -> LossSpec:
@@ -120,14 +122,15 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
     if ctx.background is not None and step + 1 < num_steps:
         ctx.upcoming = ctx.background.submit(collect, ctx, {})
     ctx.trained_cursor = batch.cursor
-    stale = drop_stale(batch.samples, trainer_version=step, bound=a.off_policy_steps)
+    bound = a.max_staleness or a.off_policy_steps
+    stale = drop_stale(batch.samples, trainer_version=step, bound=bound)
     with timed(ctx.seconds, "train"):
         metrics = train(ctx, batch.samples)
     if ctx.upcoming is not None:
         with timed(ctx.seconds, "wait"):  # the engines must be idle before they take weights
             wait_for_rollout(ctx.upcoming, step + 1)
     with timed(ctx.seconds, "sync"):
-        reports = ctx.session.sync_weights(step + 1)
+        reports = sync(ctx, step + 1)
     metrics |= sync_metrics(reports, ctx.seconds["sync"]) | ctx.session.engine_metrics()
     return step_record(ctx, step, batch, metrics, stale)
 
@@ -142,12 +145,33 @@ def train(ctx: RLContext, samples: list[Sample]) -> dict[str, float]:
     return ctx.session.train_step(batch, ctx.spec) | {"train_skipped": 0}
 
 
+def sync(ctx: RLContext, version: int) -> list[dict[str, float]]:
+    """The weight sync; with a continuous rollout, on engines it has paused (what they were
+    generating continues with the new weights)."""
+    if ctx.continuous is None:
+        return ctx.session.sync_weights(version)
+    ctx.continuous.pause()
+    synced = version - 1
+    try:
+        reports = ctx.session.sync_weights(version)
+        synced = version
+    finally:
+        ctx.continuous.resume(synced)
+    return reports
+
+
 def step_record(
     ctx: RLContext, step: int, batch: RolloutBatch, metrics: dict[str, float], stale: int
 ) -> dict[str, float]:
     """A trained step's metrics: the trainer's, the batch's, its phases and its weight versions."""
     versions = [int(s.weight_version) for s in batch.samples]
     metrics |= batch.metrics
+    if ctx.continuous is not None:  # how old the trained samples were, and how many resumed
+        for age in range(ctx.algorithm.max_staleness + 1):
+            metrics[f"async/samples_staleness_{age}"] = sum(step - v == age for v in versions)
+        resumed = [s for s in batch.samples if len(set(s.token_versions or ())) > 1]
+        metrics["async/resumed_samples"] = len(resumed)
+        metrics["tokens_per_s"] = ctx.continuous.throughput()
     metrics |= {f"time/{k}": v for k, v in batch.seconds.items()}
     return {
         "step": step + 1,
@@ -201,6 +225,9 @@ def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], P
     """The step's prompts, N samples each; and the prompt position right after them."""
     a = ctx.algorithm
     with timed(seconds, "rollout"):
+        if ctx.continuous is not None:  # groups the producer finished meanwhile
+            samples = ctx.continuous.take(ctx.data.prompts_per_step, ROLLOUT_WAIT_S)
+            return samples, ctx.prompts.checkpoint()
         prompts = next_prompts(ctx)
         cursor = ctx.prompts.checkpoint()
         sampling = {"n": a.n_samples_per_prompt, "temperature": a.temperature}
@@ -310,6 +337,8 @@ def run(
     history = list(ctx.log.history)
     if ctx.algorithm.off_policy_steps:
         ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
+    if ctx.continuous is not None:
+        ctx.continuous.start()
     try:
         stopped, done = run_steps(ctx, num_steps, start_step, step_fn, history)
         if stopped is not None and (failure := ctx.session.stop.failed()):
@@ -317,6 +346,8 @@ def run(
     finally:
         if ctx.background is not None:  # on an error, do not wait for a rollout nobody needs
             ctx.background.shutdown(wait=False, cancel_futures=True)
+        if ctx.continuous is not None:
+            ctx.continuous.close()
     operator_log().info(ctx.log.finish(history, log_dir))
     if stopped is not None:
         stop_job(ctx, stopped, done, num_steps, log_dir)

@@ -12,10 +12,11 @@ from relax_launch.config.job import JobConfig
 from relax_launch.models.build import ensure_model
 from relax_launch.rl import rollout
 from relax_launch.rl.agent import load_rollout_function
+from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.colocated import colocated_step
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
 from relax_launch.rl.evaluation import Evaluation
-from relax_launch.rl.loop import RLContext, rl_step, run
+from relax_launch.rl.loop import RLContext, next_prompts, rl_step, run
 from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
 from relax_launch.runtime.checkpoint import Checkpoints
@@ -50,6 +51,8 @@ def rl_program(job: JobConfig) -> Any:
             up = bring_up(session, weight_version=start)
             write_report(up["startup"], log_dir)
             context = rl_context(job, session, prompts, log, checkpoints, skipped)
+            if job.algorithm.max_staleness:
+                context.continuous = continuous_rollout(job, session, context, start)
             step_fn = rl_step
             if session.plan.mode != "decoupled":  # roles take turns on shared ranks
                 context.coordinator = build_coordinator(
@@ -100,6 +103,31 @@ def rl_context(
         correction=job.rollout_correction(),
         evaluation=evaluation,
         agent=load_rollout_function(job.rollout.function) if job.rollout.function else None,
+    )
+
+
+def continuous_rollout(
+    job: JobConfig, session: Session, context: RLContext, version: int
+) -> ContinuousRollout:
+    """The fully asynchronous producer: draws the loop's prompts, aborts on the rollout
+    engines what is in flight when weights are to be synced."""
+    engines = session.control_plane.managers["rollout"].engines
+
+    def abort() -> None:
+        for engine in engines:
+            engine.call("abort_request", {"abort_all": True})
+
+    a = job.algorithm
+    return ContinuousRollout(
+        context.engines,
+        functools.partial(next_prompts, context),
+        abort,
+        context.tokenizer,
+        n=a.n_samples_per_prompt,
+        max_staleness=a.max_staleness,
+        sampling={"temperature": a.temperature},
+        max_tokens=job.data.max_response_tokens,
+        version=version,
     )
 
 

@@ -283,9 +283,7 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
     shares = "  ".join(f"{p} {v / total:.0%}" for p, v in share.items() if v)
     lines.append("  time share     " + shares)
     if share["wait"] or any(r.get("staleness") for r in history):
-        lines.append(
-            "                 (one step off-policy: rollout, teacher and reward overlap train)"
-        )
+        lines.append("                 (off-policy: rollout, teacher and reward overlap train)")
     lines.append(f"  metrics: {metrics_path}   curves: {plot}")
     return "\n".join(lines)
 

@@ -33,3 +33,6 @@ class Sample:
     conversation: list[dict] | None = None
     turns: int = 1
     outcome: str = ""
+    # fully asynchronous rollout (rl/async_rollout.py): the weight version of each response
+    # token (a generation interrupted by a sync continues with the new weights)
+    token_versions: list[int] | None = None

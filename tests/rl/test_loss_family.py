@@ -254,3 +254,18 @@ def test_eval_settings_that_cannot_work_are_refused(fields, message):
     }
     with pytest.raises(ConfigError, match=message):
         build_config(raw)
+
+
+def test_fully_async_refuses_what_it_cannot_combine_with():
+    raw = {
+        "cluster": {"nproc_per_node": 2, "device": "cpu"},
+        "trainer": {"model": "m", "ranks": 1},
+        "rollout": {"engine": {"max_total_tokens": 64}},
+        "algorithm": {"max_staleness": 2},
+    }
+    job = build_config(raw)
+    assert job.rollout_correction() == "token_tis"  # auto: the samples come from older weights
+    with pytest.raises(ConfigError, match="needs algorithm.off_policy_steps=0"):
+        build_config(raw, ["algorithm.off_policy_steps=1"])
+    with pytest.raises(ConfigError, match="needs algorithm.dynamic_sampling off"):
+        build_config(raw, ["algorithm.dynamic_sampling=true"])

@@ -1,0 +1,214 @@
+"""Fully asynchronous rollout (``algorithm.max_staleness: k``, decoupled placement): the rollout
+engines generate all the time, the trainer takes finished groups as it needs them.
+
+A producer on the job's event loop starts a batch of ``prompts_per_step`` groups whenever it
+is at most ``k`` batches ahead of the weights the engines serve, and queues each group when its
+``n`` samples are done. When new weights are ready, ``pause`` aborts what is in flight (SGLang
+returns each request's tokens so far), the sync runs on idle engines, and ``resume`` lets every
+interrupted generation continue from its own tokens with the new weights (a partial rollout).
+Each token carries the weight version that produced it; a sample whose oldest token is more
+than ``k`` versions old when trained is dropped and counted (``rl.loop.drop_stale``).
+
+On a resume from a checkpoint, the prompts in flight when it was written (at most ``(k + 1)``
+batches) are not generated again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from relax_launch.inference.client import InferenceError
+from relax_launch.inference.inprocess import EngineClients
+from relax_launch.rl.data import Prompt
+from relax_launch.rl.samples import Sample
+
+MAX_SEGMENTS = 64  # continuations of one sample: more means the engines abort on their own
+PAUSE_S = 60.0  # bound on the wait for the aborted generations to come back
+POLL_S = 0.05
+
+
+class ContinuousRollout:
+    """The producer of groups (see the module docstring); ``take`` is for the RL loop's thread,
+    the rest runs on the engines' event loop."""
+
+    def __init__(
+        self,
+        engines: EngineClients,
+        draw: Callable[[], list[tuple[Prompt, list[int]]]],
+        abort: Callable[[], None],
+        tokenizer: Any,
+        *,
+        n: int,
+        max_staleness: int,
+        sampling: dict[str, Any],
+        max_tokens: int,
+        version: int,
+    ) -> None:
+        self.engines, self.draw, self.abort, self.tokenizer = engines, draw, abort, tokenizer
+        self.n, self.k, self.sampling, self.max_tokens = n, max_staleness, sampling, max_tokens
+        self.version = version  # the weights the engines serve
+        self.batches = 0  # batches started
+        self.finished: queue.Queue[list[Sample] | BaseException] = queue.Queue()
+        self.in_flight = 0
+        self.paused = False
+        self.running: asyncio.Event | None = None  # set while generation may go on
+        self.wakeup: asyncio.Event | None = None  # the producer re-checks its bound
+        self.producer: Any = None
+        self.tokens, self.since = 0, time.monotonic()  # generated since ``throughput`` last ran
+
+    def start(self) -> None:
+        self.producer = asyncio.run_coroutine_threadsafe(self._produce(), self.engines.loop)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.cancel()
+
+    # ---- the RL loop's side --------------------------------------------------------------
+
+    def take(self, groups: int, timeout_s: float) -> list[Sample]:
+        """The next ``groups`` finished groups' samples (in the order they finished)."""
+        samples: list[Sample] = []
+        deadline = time.monotonic() + timeout_s
+        for _ in range(groups):
+            try:
+                item = self.finished.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"the continuous rollout finished {len(samples) // self.n} of {groups} "
+                    f"groups within {timeout_s:.0f} s; check the rollout engines' logs"
+                ) from None
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the continuous rollout failed: {item}") from item
+            samples += item
+        for number, sample in enumerate(samples):
+            sample.group = number // self.n
+        return samples
+
+    def throughput(self) -> float:
+        """Tokens per second the engines generated since the last call (the rollout phase of a
+        step only waits for finished groups, so its own time says nothing about generation)."""
+        now = time.monotonic()
+        rate = self.tokens / max(now - self.since, 1e-9)
+        self.tokens, self.since = 0, now
+        return rate
+
+    def pause(self) -> None:
+        """Stop generating: nothing new starts, what runs is aborted and comes back with its
+        tokens so far; returns when no request is in flight (the engines are idle)."""
+        self._on_loop(self._set_paused, True)
+        deadline = time.monotonic() + PAUSE_S
+        while self.in_flight:
+            self.abort()  # again: a request sent just before the first abort reached no engine
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.in_flight} rollout requests still in flight {PAUSE_S:.0f} s after "
+                    "they were aborted for the weight sync"
+                )
+            time.sleep(POLL_S)
+
+    def resume(self, version: int) -> None:
+        """Generate again, with the engines serving ``version``."""
+        self.version = version
+        self._on_loop(self._set_paused, False)
+
+    def _on_loop(self, function: Callable[[bool], None], value: bool) -> None:
+        self.engines.loop.call_soon_threadsafe(function, value)
+        deadline = time.monotonic() + PAUSE_S
+        while self.paused != value and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    # ---- the event loop's side -----------------------------------------------------------
+
+    def _set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if self.running is not None and self.wakeup is not None:
+            (self.running.clear if paused else self.running.set)()
+            self.wakeup.set()
+
+    async def _produce(self) -> None:
+        self.running, self.wakeup = asyncio.Event(), asyncio.Event()
+        if not self.paused:
+            self.running.set()
+        groups: set[asyncio.Task] = set()
+        try:
+            while True:
+                while self.paused or self.batches > self.version + self.k:
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                prompts = self.draw()
+                self.batches += 1
+                for prompt, ids in prompts:
+                    task = asyncio.ensure_future(self._group(prompt, ids, f"b{self.batches}"))
+                    groups.add(task)
+                    task.add_done_callback(groups.discard)
+        except Exception as exc:  # noqa: BLE001 - the loop's thread raises it from take()
+            self.finished.put(exc)
+        finally:
+            for task in groups:
+                task.cancel()
+
+    async def _group(self, prompt: Prompt, ids: list[int], key: str) -> None:
+        try:
+            samples = await asyncio.gather(*(self._sample(prompt, ids, key) for _ in range(self.n)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine's failure fails the next take()
+            self.finished.put(exc)
+            return
+        self.finished.put(list(samples))
+        self.wakeup.set()
+
+    async def _sample(self, prompt: Prompt, ids: list[int], key: str) -> Sample:
+        """One response, continued after every abort from its own tokens with the weights the
+        engines then serve."""
+        client = self.engines.client("rollout")
+        out: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish = ""
+        for _ in range(MAX_SEGMENTS):
+            await self.running.wait()
+            sampling = self.sampling | {"max_new_tokens": self.max_tokens - len(out)}
+            body = {"input_ids": ids + out, "return_logprob": True, "sampling_params": sampling}
+            self.in_flight += 1
+            try:
+                reply = await client.request("/generate", body, affinity_key=key)
+            except InferenceError as error:
+                if error.status == 503 and self.paused:  # refused while the sync runs
+                    continue
+                raise
+            finally:
+                self.in_flight -= 1
+            meta, got = reply["meta_info"], list(reply["output_ids"])
+            out += got
+            self.tokens += len(got)
+            logprobs += [float(lp) for lp, *_ in meta["output_token_logprobs"]]
+            versions += [version_of(meta, self.version)] * len(got)
+            finish = (meta.get("finish_reason") or {}).get("type", "")
+            if finish != "abort" or len(out) >= self.max_tokens:
+                break
+        return Sample(
+            group=0,
+            question=prompt.messages[-1]["content"],
+            label=prompt.label,
+            prompt_ids=list(ids),
+            response_ids=out,
+            logprobs=logprobs,
+            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            weight_version=str(min(versions, default=self.version)),
+            finish_reason="length" if finish == "abort" else finish,
+            data_source=prompt.data_source,
+            token_versions=versions,
+        )
+
+
+def version_of(meta: dict[str, Any], default: int) -> int:
+    """The weight version an engine reply says it was generated with."""
+    try:
+        return int(meta.get("weight_version"))
+    except (TypeError, ValueError):
+        return default
