@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from relax_launch import __version__
+from relax_launch import __version__, platform
 from relax_launch.config import ConfigError, JobConfig, load_config
 from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
 from relax_launch.placement.render import summary, table, write_picture
@@ -121,6 +121,11 @@ def _announce(job: JobConfig, placement: PlacementPlan, notes: list[str]) -> Non
     click.echo(summary(placement))
     engines = "".join(f", {role} {job.engine_dtype(role)}" for role in job.inference_roles())
     click.echo(f"precision: trainer {job.trainer.dtype}{engines}")
+    if job.cluster.device == "cpu":
+        cores, overlap = platform.node_cores(), job.rollout_overlaps_training
+        roles = ["trainer", *job.inference_roles()]
+        threads = ", ".join(f"{r} {placement.cpu_threads(0, r, cores, overlap)}" for r in roles)
+        click.echo(f"cpu threads per process ({cores} cores): {threads}")
     for note in notes:
         click.echo(f"note: {note}")
     click.echo(f"logs: {job.log_dir}/ (rank<R>.log per rank, <role>-engine<N>.log per engine)")

@@ -73,8 +73,13 @@ class JobConfig(Section):
         chosen = self.algorithm.rollout_correction
         if chosen != "auto":
             return chosen
-        other_policy = self.algorithm.off_policy_steps > 0 or self.algorithm.max_staleness > 0
-        return "token_tis" if other_policy or self.precision_differs else "none"
+        other_weights = self.rollout_overlaps_training
+        return "token_tis" if other_weights or self.precision_differs else "none"
+
+    @property
+    def rollout_overlaps_training(self) -> bool:
+        """Whether the engines generate while the trainer trains (off-policy, async)."""
+        return self.algorithm.off_policy_steps > 0 or self.algorithm.max_staleness > 0
 
     @property
     def precision_differs(self) -> bool:

@@ -118,6 +118,18 @@ class PlacementPlan:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    def cpu_threads(self, node: int, role: str, cores: int, overlapping: bool) -> int:
+        """CPU threads for one process of ``role`` on ``node``: the node's ``cores`` shared by
+        the processes that compute at the same time. Phases that take turns (synchronous
+        training, split, defer) compute one role at a time: its processes share the cores.
+        With rollout ``overlapping`` training, every role's processes on the node do."""
+        computing = [
+            r
+            for r in self.ranks
+            if r.node == node and any(overlapping or a.role == role for a in r.assignments)
+        ]
+        return max(1, cores // max(len(computing), 1))
+
     def engines_of(self, role: str) -> tuple[EnginePlan, ...]:
         return tuple(e for e in self.engines if e.role == role)
 

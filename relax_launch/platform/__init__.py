@@ -97,6 +97,26 @@ def prepare_megatron(device: Device, seed: int = 0, tp_rank: int = 0) -> None:
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
+def node_cores() -> int:
+    """The cores this process may run on (its affinity: a Slurm or container allotment)."""
+    return len(os.sched_getaffinity(0))
+
+
+def thread_env(device: Device, threads: int) -> dict[str, str]:
+    """Environment giving an SGLang process ``threads`` compute threads on the CPU (torchrun
+    sets OMP_NUM_THREADS=1 for its ranks, and the engines would inherit it); none on GPUs."""
+    return {"OMP_NUM_THREADS": str(threads)} if device == "cpu" else {}
+
+
+def use_threads(device: Device, threads: int) -> None:
+    """This process's compute threads on the CPU (the trainer's, for its forward and backward
+    passes); GPUs compute on their own."""
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def engine_base_device(device: Device, local_rank: int) -> int:
     """SGLang's base_gpu_id for an engine whose head has ``local_rank``.
 

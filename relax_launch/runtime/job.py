@@ -12,13 +12,12 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from relax_launch import platform
 from relax_launch.config.job import JobConfig
-from relax_launch.inference.control_plane import ControlPlane, RoleSpec
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
@@ -38,6 +37,9 @@ from relax_launch.runtime.startup import StartupClock, StartupMarks
 from relax_launch.runtime.stop import JobStopped, StopRequest, write_end_record
 from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
 from relax_launch.runtime.workers import EngineWorker, TrainerWorker
+
+if TYPE_CHECKING:
+    from relax_launch.inference.control_plane import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ def build_workers(
     caller closes them all), then wait for each engine's first token."""
     engines = list(workers)  # so far, only engines
     if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
-        workers.append(trainer_worker(job, plan, pgc, shards))
+        workers.append(trainer_worker(job, plan, rank, pgc, shards))
         clock.mark("trainer built")
     for engine in engines:
         engine.wait_ready(job.cluster.startup_timeout_s)
@@ -100,15 +102,26 @@ def engine_worker(job: JobConfig, plan: PlacementPlan, rank: int, role: str, ind
         local_rank=plan.ranks[rank].local_rank,
         log_dir=job.log_dir,
         host=node_address(plan),
+        threads=cpu_threads(job, plan, rank, role),
         colocated=plan.mode != "decoupled",
     )
 
 
-def trainer_worker(job: JobConfig, plan: PlacementPlan, pgc: Any, shards: ShardChannel) -> Any:
+def cpu_threads(job: JobConfig, plan: PlacementPlan, rank: int, role: str) -> int:
+    """Threads for this rank's ``role`` process on the CPU: its node's cores, shared with what
+    computes at the same time (``PlacementPlan.cpu_threads``)."""
+    node, cores = plan.ranks[rank].node, platform.node_cores()
+    return plan.cpu_threads(node, role, cores, job.rollout_overlaps_training)
+
+
+def trainer_worker(
+    job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any, shards: ShardChannel
+) -> Any:
     """This rank's share of the Megatron trainer, built from the policy's HF checkpoint."""
     from relax_launch.trainer.trainer import Trainer  # Megatron: trainer ranks only
 
     device = job.cluster.device
+    platform.use_threads(device, cpu_threads(job, plan, rank, "trainer"))
     trainer = Trainer(
         section=job.trainer,
         model_dir=ensure_model(job.trainer.model),
@@ -121,6 +134,8 @@ def trainer_worker(job: JobConfig, plan: PlacementPlan, pgc: Any, shards: ShardC
 
 def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | None:
     """Rank 0's gateway and role managers (None when the job has no inference role)."""
+    from relax_launch.inference.control_plane import ControlPlane, RoleSpec  # rank 0: FastAPI
+
     specs = []
     for role, section in job.inference_roles().items():
         model = job.rollout_model() if role == "rollout" else section.model

@@ -11,11 +11,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from relax_launch.inference.control_plane import ControlPlane
 from relax_launch.placement.plan import PlacementPlan, TrainerLayout, sync_rank_offsets
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log
@@ -54,6 +53,9 @@ from relax_launch.weights.update_session import (
     UpdateSession,
     WeightSyncError,
 )
+
+if TYPE_CHECKING:
+    from relax_launch.inference.control_plane import ControlPlane
 
 # A rank's own deadline error names what it waited for; the channel's reply timeout, a little
 # later, only that the rank did not answer.
@@ -180,19 +182,25 @@ class Session:
     def gateway_url(self) -> str | None:
         return self.control_plane.url if self.control_plane else None
 
-    def wait_for_engines(self) -> dict[str, list[str]]:
-        """Each engine head's URL, once its server has generated a token; the control plane
-        takes each role's engines as they are known."""
-        if self.engine_urls:
-            return self.engine_urls
-        for engine in self.plan.engines:
-            command = EngineUrl(engine.role, engine.index)
-            url = self._call(command, [engine.head_rank], self.startup_timeout_s)[engine.head_rank]
-            self.engine_urls.setdefault(engine.role, []).append(url)
-        if self.control_plane is not None:
-            for role, urls in self.engine_urls.items():
+    def wait_for_engines(self, roles: tuple[str, ...] | None = None) -> dict[str, list[str]]:
+        """Each engine head's URL, once its server has generated a token (of ``roles``, default
+        every role); the control plane takes each role's engines as they are known."""
+        for role in roles or tuple(self.plan_roles()):
+            if role in self.engine_urls:
+                continue
+            urls = []
+            for engine in self.plan.engines_of(role):
+                command = EngineUrl(engine.role, engine.index)
+                heads = [engine.head_rank]
+                urls.append(self._call(command, heads, self.startup_timeout_s)[engine.head_rank])
+            self.engine_urls[role] = urls
+            if self.control_plane is not None:
                 self.control_plane.attach(role, urls, self.startup_timeout_s)
         return self.engine_urls
+
+    def plan_roles(self) -> dict[str, None]:
+        """The inference roles of the plan, in its order (rollout first)."""
+        return dict.fromkeys(engine.role for engine in self.plan.engines)
 
     def connect_weight_sync(self, members: tuple[int, ...] | None = None) -> None:
         """Each pipeline stage's source rank forms its broadcast group with the rollout engines
@@ -364,13 +372,14 @@ def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:
     """Start-up every job shares: engines ready, weight-sync groups formed, the trainer's weights
     on the rollout engines as ``weight_version`` (the step a resumed run continues from). The
     summary holds where start-up time went (``runtime/startup.py``)."""
-    urls = session.wait_for_engines()
     reports = []
-    if "rollout" in urls:
+    if "rollout" in session.plan_roles():  # synced while the other roles' engines still load
+        session.wait_for_engines(("rollout",))
         session.connect_weight_sync()
         session.startup.mark(SYNC_GROUPS)
         reports = session.sync_weights(weight_version)
         session.startup.mark(FIRST_SYNC)
+    urls = session.wait_for_engines()
     startup = session.startup_report()
     summary = {"engines": urls, "gateway": session.gateway_url, "weight_sync": reports}
     summary["startup"] = startup

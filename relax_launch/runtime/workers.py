@@ -231,6 +231,7 @@ class EngineWorker:
         local_rank: int,
         log_dir: Path,
         host: str,
+        threads: int,
         colocated: bool = False,
     ) -> None:
         self.engine = engine
@@ -256,7 +257,7 @@ class EngineWorker:
                 **(saver if colocated else {}),
                 "dtype": dtype,
             },
-            extra_env=scratch_env,
+            extra_env=scratch_env | platform.thread_env(device, threads),
         )
 
     def launch(self) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from relax_launch.config import build_config
+from relax_launch.config import build_config, load_config
 from relax_launch.placement import PlacementPlan, plan
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def job(mode: str, world: tuple[int, int], roles: dict, prompts: int = 8, **extra) -> object:
@@ -192,3 +196,17 @@ def test_plans_512_nodes_of_8_with_four_roles(mode):
     assert p.world_size == 4096 and len(p.ranks) == 4096
     assert len(p.engines) == 128 + 64 + 64
     assert sum(len(e.ranks) for e in p.engines) == 2560
+
+
+def test_cpu_threads_share_a_nodes_cores_among_what_computes_at_once():
+    quickstart = plan(load_config(str(REPO / "configs" / "quickstart_cpu.yaml")))
+    # synchronous: the roles take turns, so each role's processes share the node's cores
+    by_role = {r: quickstart.cpu_threads(0, r, 8, False) for r in ("trainer", "rollout", "teacher")}
+    assert by_role == {"trainer": 4, "rollout": 8, "teacher": 8}
+    # rollout overlapping training: the node's four processes all compute at once
+    assert {quickstart.cpu_threads(0, r, 8, True) for r in by_role} == {2}
+    assert quickstart.cpu_threads(0, "trainer", 2, True) == 1  # never below one
+    # defer: every role on every rank, one phase at a time
+    defer = plan(load_config(str(REPO / "configs" / "defer_cpu.yaml")))
+    ranks = len(defer.ranks)
+    assert defer.cpu_threads(0, "trainer", 8, False) == 8 // ranks
