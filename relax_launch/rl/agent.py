@@ -16,7 +16,6 @@ sample's text (what rewards read) is its last assistant message.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import inspect
@@ -30,6 +29,7 @@ from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.data import Prompt
+from relax_launch.rl.rollout import all_or_none
 from relax_launch.rl.samples import Sample
 
 SENTINEL = "\u2063relax-sentinel\u2063"  # a reply text no template alters: what follows it
@@ -265,18 +265,8 @@ def generate(
             engine = functools.partial(rollout.request, "/generate", affinity_key=key)
             clients.append(AgentClient(engine, tokenizer, temperature, max_tokens))
 
-    async def every() -> list[tuple[list[dict[str, Any]] | None, str]]:
-        tasks = [
-            asyncio.ensure_future(converse(function, prompts[i // n][0], c))
-            for i, c in enumerate(clients)
-        ]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:  # an engine's failure ends the others too
-            for task in tasks:
-                task.cancel()
-
-    outcomes = engines.run(every(), what=f"{len(clients)} agentic rollouts")
+    conversations = [converse(function, prompts[i // n][0], c) for i, c in enumerate(clients)]
+    outcomes = engines.run(all_or_none(conversations), what=f"{len(clients)} agentic rollouts")
     return [
         to_sample(i // n, prompts[i // n], client, conversation, outcome)
         for i, (client, (conversation, outcome)) in enumerate(zip(clients, outcomes, strict=True))

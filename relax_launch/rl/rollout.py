@@ -9,29 +9,32 @@ its prompt's prefix cache); under ``round_robin`` the keys are ignored.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
 
+T = TypeVar("T")
+
 
 def _gather(engines: EngineClients, role: str, calls: list[tuple[str, dict, str | None]]) -> list:
     """Every call's reply, in order; the first failure cancels the rest and is raised."""
     client = engines.client(role)
+    requests = [client.request(path, body, affinity_key=key) for path, body, key in calls]
+    return engines.run(all_or_none(requests), what=f"{len(calls)} {role} requests")
 
-    async def every() -> list:
-        tasks = [
-            asyncio.ensure_future(client.request(path, body, affinity_key=key))
-            for path, body, key in calls
-        ]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # a no-op for the finished ones
-                task.cancel()
 
-    return engines.run(every(), what=f"{len(calls)} {role} requests")
+async def all_or_none(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every coroutine's result, in order, run concurrently; the first failure cancels the
+    rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # a no-op for the finished ones
+            task.cancel()
 
 
 def generate(
