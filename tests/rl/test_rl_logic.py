@@ -363,6 +363,7 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
         session=SimpleNamespace(console=console, stop_requested=lambda wait_s=0.0: None),
         checkpoints=None,
         evaluation=None,
+        continuous=None,
         background=None,
         seconds={},
     )
