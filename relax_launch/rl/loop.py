@@ -164,7 +164,8 @@ def step_record(
     ctx: RLContext, step: int, batch: RolloutBatch, metrics: dict[str, float], stale: int
 ) -> dict[str, float]:
     """A trained step's metrics: the trainer's, the batch's, its phases and its weight versions."""
-    versions = [int(s.weight_version) for s in batch.samples]
+    # a conversation that failed before its first turn has no version
+    versions = [int(s.weight_version) for s in batch.samples if s.weight_version.isdigit()]
     metrics |= batch.metrics
     if ctx.continuous is not None:  # how old the trained samples were, and how many resumed
         for age in range(ctx.algorithm.max_staleness + 1):
@@ -175,8 +176,8 @@ def step_record(
     metrics |= {f"time/{k}": v for k, v in batch.seconds.items()}
     return {
         "step": step + 1,
-        "weight_version": min(versions),
-        "staleness": step - min(versions),
+        "weight_version": min(versions, default=step),
+        "staleness": step - min(versions, default=step),
         "samples_stale": stale,
         "data/skipped_long_prompts": ctx.skipped_prompts,
         **metrics,

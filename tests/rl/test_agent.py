@@ -204,3 +204,14 @@ def test_two_turns_with_a_tool_on_a_real_engine_train_exactly_the_engines_tokens
             [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if not m]
         )
         assert "Result: 7" in tool_turn  # the tool's result is in the sequence, masked
+
+
+def test_a_function_that_fails_loses_its_sample_only():
+    async def broken(prompt, client):
+        raise KeyError("oops")
+
+    client = AgentClient(ScriptedEngine(), CharTokenizer(), temperature=1.0, budget=200)
+    conversation, outcome = run(agent.converse(broken, QUESTION, client))
+    sample = agent.to_sample(0, (QUESTION, [1, 2]), client, conversation, outcome)
+    assert outcome == "failed" and not sample.valid and sample.response_ids == []
+    assert sample.prompt_ids == [1, 2] and sample.weight_version == "None"  # no turn, no version
