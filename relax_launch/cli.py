@@ -120,12 +120,13 @@ def _announce(job: JobConfig, placement: PlacementPlan, notes: list[str]) -> Non
     """What the operator reads before the job starts: the plan, precision, where logs go."""
     click.echo(summary(placement))
     engines = "".join(f", {role} {job.engine_dtype(role)}" for role in job.inference_roles())
-    click.echo(f"precision: trainer {job.trainer.dtype}{engines}")
-    if job.cluster.device == "cpu":
+    line = f"precision: trainer {job.trainer.dtype}{engines}"
+    if job.cluster.device == "cpu":  # each process's share of the node's cores
         cores, overlap = platform.node_cores(), job.rollout_overlaps_training
         roles = ["trainer", *job.inference_roles()]
         threads = ", ".join(f"{r} {placement.cpu_threads(0, r, cores, overlap)}" for r in roles)
-        click.echo(f"cpu threads per process ({cores} cores): {threads}")
+        line += f"; threads per process ({cores} cores): {threads}"
+    click.echo(line)
     for note in notes:
         click.echo(f"note: {note}")
     click.echo(f"logs: {job.log_dir}/ (rank<R>.log per rank, <role>-engine<N>.log per engine)")
