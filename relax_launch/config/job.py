@@ -298,15 +298,10 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
 
 
 def _eval_problems(job: JobConfig) -> list[str]:
-    """Evaluation needs engines that serve between steps, and prompts the training never sees."""
+    """Evaluation needs prompts the training never sees."""
     if job.eval is None:
         return []
     problems = []
-    if job.placement.mode != "decoupled":
-        problems.append(
-            f"eval samples between steps with the rollout engines, which placement.mode="
-            f"{job.placement.mode} has offloaded then: remove the eval section or use decoupled."
-        )
     same_task = job.eval.dataset == job.data.dataset and job.data.dataset.startswith("builtin:")
     if same_task and job.eval.seed == job.data.seed:
         problems.append(

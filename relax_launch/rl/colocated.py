@@ -141,11 +141,14 @@ def run_batch(
     *,
     split: bool,
     seconds: dict[str, float] | None = None,
+    scorers: tuple[str, ...] | None = None,
 ) -> Turns:
     """Produce and commit one batch, then give the trainer its ranks back; a failure fails the
-    batch (nothing committed) and is raised. Each turn's time goes into ``seconds``."""
+    batch (nothing committed) and is raised. Each turn's time goes into ``seconds``; the
+    scoring roles are the teacher and genrm the job has, unless ``scorers`` names them."""
     turns = Turns(coordinator, batch, {} if seconds is None else seconds)
-    scorers = tuple(r for r in ("teacher", "genrm") if r in coordinator.members)
+    if scorers is None:
+        scorers = tuple(r for r in ("teacher", "genrm") if r in coordinator.members)
     coordinator.begin_batch(batch)
     try:
         produce(work, turns, split=split, scorers=scorers)
@@ -190,14 +193,50 @@ class RLBatchWork:
         self.batch = finish_batch(self.ctx, self.samples, self.metrics, self.seconds, self.cursor)
 
 
+@dataclass
+class EvalWork:
+    """An evaluation between steps (``eval``): the trained weights synced, the eval prompts
+    sampled, and scored (in the genrm's turn when a reward source asks the judge)."""
+
+    ctx: RLContext
+    version: int
+    samples: list[Sample] = field(default_factory=list)
+    rewards: dict[str, float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def sync(self) -> None:
+        self.ctx.session.sync_weights(self.version)
+
+    def generate(self) -> None:
+        self.samples = self.ctx.evaluation.sample(
+            self.ctx.engines, self.ctx.data.max_response_tokens
+        )
+
+    def score(self, role: str) -> None:
+        if role == "genrm":
+            self.rewards = self.ctx.rewards.score(self.samples)
+
+    def finish(self) -> None:
+        if self.rewards is None:
+            self.rewards = self.ctx.rewards.score(self.samples)
+        self.metrics = self.ctx.evaluation.summarize(self.samples, self.rewards)
+
+
 def colocated_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
-    """One RL step of a split or defer job (``run``'s step function there)."""
+    """One RL step of a split or defer job (``run``'s step function there); batch ``2 * step``
+    trains, batch ``2 * step + 1`` evaluates the weights it trained when evaluation is due."""
     ctx.seconds = seconds = {}
     work = RLBatchWork(ctx, step, seconds)
     split = ctx.session.plan.mode == "split"
-    turns = run_batch(work, ctx.coordinator, step, split=split, seconds=seconds)
+    turns = run_batch(work, ctx.coordinator, 2 * step, split=split, seconds=seconds)
     ctx.trained_cursor = work.batch.cursor
     with timed(seconds, "train"):
         metrics = train(ctx, work.samples)
     metrics |= {f"memory/{k}_gb": v / 1e9 for k, v in turns.moved.items()}
+    if ctx.evaluation is not None and ctx.evaluation.due(step + 1, num_steps):
+        evaluation = EvalWork(ctx, step + 1)
+        judge = tuple(r for r in ("genrm",) if r in ctx.coordinator.members)
+        with timed(seconds, "eval"):  # its turns inside: one more round of onloads
+            run_batch(evaluation, ctx.coordinator, 2 * step + 1, split=split, scorers=judge)
+        metrics |= evaluation.metrics
     return step_record(ctx, step, work.batch, metrics, stale=0)

@@ -1,5 +1,6 @@
 """Periodic evaluation: held-out prompts sampled by the rollout engines with the weights just
-synced, scored by the job's reward sources; mean reward and unbiased pass@k go to the step's
+trained and synced (in split/defer in turns of its own, ``rl/colocated.py``), scored by the job's
+reward sources; mean reward and unbiased pass@k go to the step's
 metrics (so to metrics.jsonl, TensorBoard, the curves and the summary)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from relax_launch.rl import rollout
 from relax_launch.rl.config import EvalConfig
 from relax_launch.rl.data import Prompt, load_prompts
 from relax_launch.rl.rewards import Rewards
+from relax_launch.rl.samples import Sample
 
 
 def pass_at_k(n: int, passed: int, k: int) -> float:
@@ -51,17 +53,27 @@ class Evaluation:
     def run(
         self, engines: EngineClients, rewards: Rewards, max_response_tokens: int
     ) -> dict[str, float]:
-        """Sample, score and summarise: ``eval/reward``, ``eval/pass@k``, the mean response
-        length and failed rewards."""
+        """Sample, score and summarise (``summarize``)."""
+        samples = self.sample(engines, max_response_tokens)
+        return self.summarize(samples, rewards.score(samples))
+
+    def sample(self, engines: EngineClients, max_response_tokens: int) -> list[Sample]:
+        """``n_samples`` per eval prompt from the rollout engines' current weights."""
         c = self.config
-        samples = rollout.generate(
+        return rollout.generate(
             engines,
             self.prompts,
             n=c.n_samples,
             temperature=c.temperature,
             max_tokens=c.max_response_tokens or max_response_tokens,
         )
-        metrics = rewards.score(samples)
+
+    def summarize(
+        self, samples: list[Sample], reward_metrics: dict[str, float]
+    ) -> dict[str, float]:
+        """``eval/reward``, ``eval/pass@k``, the mean response length and failed rewards, from
+        scored samples and the reward sources' metrics."""
+        c = self.config
         scored = [s for s in samples if s.valid]
         out = {
             "eval/reward": sum(s.reward for s in scored) / len(scored),
@@ -70,7 +82,7 @@ class Evaluation:
             "eval/prompts": len(self.prompts),
             "eval/skipped_long_prompts": self.skipped,
         }
-        out |= {f"eval/{k}": v for k, v in metrics.items() if k.endswith("/failed")}
+        out |= {f"eval/{k}": v for k, v in reward_metrics.items() if k.endswith("/failed")}
         for k in c.pass_k:
             per_prompt = []
             for group in range(len(self.prompts)):

@@ -381,7 +381,8 @@ def run_steps(
             if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
                 with timed(ctx.seconds, "checkpoint"):
                     save_checkpoint(ctx, step + 1)
-            if ctx.evaluation is not None and ctx.evaluation.due(step + 1, num_steps):
+            evaluating = ctx.evaluation is not None and ctx.coordinator is None  # split/defer:
+            if evaluating and ctx.evaluation.due(step + 1, num_steps):  # in their own turns
                 with timed(ctx.seconds, "eval"):  # the weights this step synced
                     metrics |= ctx.evaluation.run(
                         ctx.engines, ctx.rewards, ctx.data.max_response_tokens

@@ -71,7 +71,7 @@ def assert_turns(events: list[dict], batches: int) -> None:
         held = frozenset((role, part) for role, parts in event["holders"].items() for part in parts)
         roles = {role for role, _ in held}
         assert len(roles) <= 1 or held <= frozenset(SYNC_WINDOW), event
-    for batch in range(batches):
+    for batch in range(0, 2 * batches, 2):  # step k's batch is 2k (2k + 1 would evaluate)
         mine = [(e["event"], e.get("role")) for e in events if e["batch"] == batch]
         order = [
             mine.index(x)
@@ -90,8 +90,12 @@ def test_split_job_runs_its_slices_together_then_trains(tmp_path):
     steps = run_job(HERE / "split_tiny.yaml", tmp_path)
     assert [s["weight_version"] for s in steps] == [0, 1, 2]
     assert abs(steps[0]["reverse_kl"]) < 1e-3
+    # evaluated after steps 2 and 3 (every 2, and the last) in batches of their own
+    assert ["eval/reward" in s for s in steps] == [False, True, True]
+    assert all(s["eval/prompts"] == 2 and s["time/eval"] > 0 for s in steps[1:])
     events = [json.loads(x) for x in (tmp_path / "coordinator.jsonl").read_text().splitlines()]
-    for batch in range(3):
+    assert sorted({e["batch"] for e in events} - {None}) == [0, 2, 3, 4, 5]  # 2k trains, 2k+1 evals
+    for batch in (0, 2, 4):
         held = [e["holders"] for e in events if e["batch"] == batch]
         # rollout (rank 0) and teacher (rank 1) were loaded together, the trainer not with them
         together = [h for h in held if {"rollout", "teacher"} <= set(h)]
