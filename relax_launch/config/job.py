@@ -263,11 +263,11 @@ def _fault_tolerance_problems(job: JobConfig) -> list[str]:
 def _algorithm_problems(job: JobConfig) -> list[str]:
     """Algorithm settings that depend on the data limits, the placement or the precisions."""
     a, problems = job.algorithm, []
-    if a.dynamic_sampling and job.placement.mode != "decoupled":
+    if a.dynamic_sampling and job.placement.mode == "defer":
         problems.append(
-            f"algorithm.dynamic_sampling draws more prompts after scoring, which placement.mode="
-            f"{job.placement.mode} cannot do (its engines take turns): turn it off or use "
-            "decoupled."
+            "algorithm.dynamic_sampling draws more prompts after scoring, which placement.mode="
+            "defer cannot do (its roles hand the same memory over in turns): turn it off or use "
+            "split or decoupled."
         )
     if a.max_staleness:
         clashes = {

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from relax_launch.rl.dynamic_sampling import GroupSelection
 from relax_launch.rl.loop import (
     RLContext,
     RolloutBatch,
@@ -50,6 +51,7 @@ class BatchWork(Protocol):
     def sync(self) -> None: ...
     def generate(self) -> None: ...
     def score(self, role: str) -> None: ...
+    def enough(self) -> bool: ...
     def finish(self) -> None: ...
 
 
@@ -114,23 +116,27 @@ def produce(work: BatchWork, turns: Turns, *, split: bool, scorers: tuple[str, .
     with turns.phase("sync", "rollout"):
         work.sync()
     turns.give("trainer", ("params",))
-    if split:  # every inference role on its own slice, onloaded at once
+    if split:  # every inference role on its own slice, onloaded at once, for every round
         turns.take_all([("rollout", ("kv_cache",)), *((role, None) for role in scorers)])
+        while True:
+            with turns.phase("rollout", "rollout"):
+                work.generate()
+            for role in scorers:
+                with turns.phase(role, role):
+                    work.score(role)
+            if work.enough():  # dynamic sampling may want another round
+                break
+        turns.give_all([(role, None) for role in ("rollout", *scorers)])
     else:
         turns.take("rollout", ("kv_cache",))
-    with turns.phase("rollout", "rollout"):
-        work.generate()
-    if not split:
+        with turns.phase("rollout", "rollout"):
+            work.generate()
         turns.give("rollout")
-    for role in scorers:
-        if not split:
+        for role in scorers:
             turns.take(role)
-        with turns.phase(role, role):
-            work.score(role)
-        if not split:
+            with turns.phase(role, role):
+                work.score(role)
             turns.give(role)
-    if split:
-        turns.give_all([(role, None) for role in ("rollout", *scorers)])
     work.finish()
 
 
@@ -169,7 +175,9 @@ class RLBatchWork:
     seconds: dict[str, float]
     samples: list[Sample] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
-    rewarded: bool = False  # the genrm's turn scored every reward source
+    rewarded: bool = False  # this round's rewards are in (the genrm's turn scored them)
+    round_metrics: dict[str, float] = field(default_factory=dict)
+    selection: GroupSelection | None = None  # dynamic sampling's rounds (split)
     batch: RolloutBatch | None = None
 
     def sync(self) -> None:
@@ -179,17 +187,36 @@ class RLBatchWork:
 
     def generate(self) -> None:
         self.samples, self.cursor = generate(self.ctx, self.seconds)
+        self.rewarded = False
 
     def score(self, role: str) -> None:
         if role == "teacher":
             score_teacher(self.ctx, self.samples, self.seconds)
         else:  # the genrm judges inside the reward sources
-            self.metrics |= score_rewards(self.ctx, self.samples, self.seconds)
+            self.reward_round()
+
+    def reward_round(self) -> None:
+        """The round's rewards, once (in the genrm's turn, or after the last turn)."""
+        if not self.rewarded:
+            self.round_metrics = score_rewards(self.ctx, self.samples, self.seconds)
             self.rewarded = True
 
+    def enough(self) -> bool:
+        """Whether the rounds so far fill the batch (always, without dynamic sampling)."""
+        a = self.ctx.algorithm
+        if not a.dynamic_sampling:
+            return True
+        self.reward_round()
+        if self.selection is None:
+            self.selection = GroupSelection(a, self.ctx.data.prompts_per_step)
+        self.selection.add(self.samples, self.cursor, self.round_metrics)
+        return self.selection.done
+
     def finish(self) -> None:
-        if not self.rewarded:  # no genrm: function rewards need no lease
-            self.metrics |= score_rewards(self.ctx, self.samples, self.seconds)
+        self.reward_round()  # no genrm: function rewards need no lease
+        if self.selection is not None:
+            self.samples, self.cursor, self.round_metrics = self.selection.result()
+        self.metrics |= self.round_metrics
         self.batch = finish_batch(self.ctx, self.samples, self.metrics, self.seconds, self.cursor)
 
 
@@ -215,6 +242,9 @@ class EvalWork:
     def score(self, role: str) -> None:
         if role == "genrm":
             self.rewards = self.ctx.rewards.score(self.samples)
+
+    def enough(self) -> bool:
+        return True
 
     def finish(self) -> None:
         if self.rewards is None:

@@ -63,7 +63,7 @@ class AlgorithmConfig(Section):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO: drop prompt groups whose rewards are all equal (no signal) and draw "
-        "more prompts until data.prompts_per_step groups have signal (decoupled only).",
+        "more prompts until data.prompts_per_step groups have signal (decoupled or split).",
     )
     dynamic_sampling_max_rounds: int = Field(
         4,

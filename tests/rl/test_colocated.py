@@ -18,8 +18,8 @@ ENGINE_PARTS = ("weights", "kv_cache")
 class Work:
     """Records each step of the batch with who held memory at that moment."""
 
-    def __init__(self, coordinator: LifecycleCoordinator, fail: str = "") -> None:
-        self.coordinator, self.fail, self.log = coordinator, fail, []
+    def __init__(self, coordinator: LifecycleCoordinator, fail: str = "", rounds: int = 1) -> None:
+        self.coordinator, self.fail, self.log, self.rounds = coordinator, fail, [], rounds
 
     def _at(self, what: str) -> None:
         holders = {r: s["resident"] for r, s in self.coordinator.state().items() if s["resident"]}
@@ -35,6 +35,10 @@ class Work:
 
     def score(self, role: str) -> None:
         self._at(role)
+
+    def enough(self) -> bool:
+        self.rounds -= 1
+        return self.rounds == 0
 
     def finish(self) -> None:
         self._at("finish")
@@ -94,6 +98,16 @@ def test_split_runs_inference_roles_on_their_slices_together():
     held = dict(work.log)
     assert set(held["generate"]) == {"rollout", "teacher", "genrm"}
     assert held["finish"] == {}
+
+
+def test_split_draws_more_rounds_while_its_slices_stay_onloaded():
+    coord = coordinator(SPLIT)
+    work = Work(coord, rounds=3)  # dynamic sampling: two rounds without enough signal
+    run_batch(work, coord, 0, split=True)
+    steps = [what for what, _ in work.log]
+    assert steps == ["sync"] + ["generate", "teacher", "genrm"] * 3 + ["finish"]
+    rounds = [held for what, held in work.log if what in ("generate", "teacher", "genrm")]
+    assert all(set(held) == {"rollout", "teacher", "genrm"} for held in rounds)
 
 
 def test_deferred_teacher_failure_never_commits_and_never_trains():

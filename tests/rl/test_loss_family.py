@@ -198,16 +198,17 @@ def test_algorithm_knobs_that_would_not_act_are_refused(overrides, message):
         build_config(raw, overrides)
 
 
-def test_dynamic_sampling_needs_decoupled_placement():
+def test_dynamic_sampling_is_refused_in_defer_only():
     raw = {
         "cluster": {"nproc_per_node": 2, "device": "cpu"},
-        "placement": {"mode": "split"},
+        "placement": {"mode": "defer"},
         "trainer": {"model": "m"},
         "rollout": {"engine": {"max_total_tokens": 64}},
         "algorithm": {"dynamic_sampling": True},
     }
-    with pytest.raises(ConfigError, match="placement.mode=split cannot do"):
+    with pytest.raises(ConfigError, match="placement.mode=defer cannot do"):
         build_config(raw)
+    assert build_config(raw, ["placement.mode=split"]).algorithm.dynamic_sampling
 
 
 def test_off_policy_turns_the_correction_on_and_says_so():
