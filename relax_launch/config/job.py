@@ -274,7 +274,6 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
             "placement.mode=decoupled": job.placement.mode != "decoupled",
             "algorithm.off_policy_steps=0": a.off_policy_steps > 0,
             "algorithm.dynamic_sampling off": a.dynamic_sampling,
-            "no rollout.function": job.rollout.function is not None,
             "rollout.fault_tolerance off": job.rollout.fault_tolerance,
         }
         if needed := [what for what, clash in clashes.items() if clash]:

@@ -58,9 +58,16 @@ class Trajectory:
     mask: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: int = 0
-    versions: list[str] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # of each turn (its oldest token's)
+    token_versions: list[int] = field(default_factory=list)  # of each token, where replies say
     finish_reason: str = ""
     rejected: str | None = None
+
+
+def version_number(meta: dict[str, Any]) -> int:
+    """The weight version a reply was generated with (0 when it says none)."""
+    version = str(meta.get("weight_version"))
+    return int(version) if version.lstrip("-").isdigit() else 0
 
 
 def as_dict(message: Any) -> dict[str, Any]:
@@ -168,6 +175,11 @@ class AgentClient:
         t.logprobs += logprobs
         t.turns += 1
         t.versions.append(str(meta.get("weight_version")))
+        turn = meta.get("token_versions") or [version_number(meta)] * len(out)
+        t.token_versions += [turn[0] if turn else 0] * (
+            len(t.ids) - len(out) - len(t.token_versions)
+        )
+        t.token_versions += turn
         finish = meta.get("finish_reason") or {}
         t.finish_reason = finish.get("type", "")
         matched = finish.get("matched")

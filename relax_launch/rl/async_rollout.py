@@ -9,6 +9,9 @@ interrupted generation continue from its own tokens with the new weights (a part
 Each token carries the weight version that produced it; a sample whose oldest token is more
 than ``k`` versions old when trained is dropped and counted (``rl.loop.drop_stale``).
 
+With ``rollout.function``, each sample is a conversation (``rl/agent.py``) and each of its turns
+is interrupted and continued the same way.
+
 On a resume from a checkpoint, the prompts in flight when it was written (at most ``(k + 1)``
 batches) are not generated again.
 """
@@ -16,6 +19,7 @@ batches) are not generated again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import time
 from collections.abc import Callable
@@ -23,6 +27,7 @@ from typing import Any
 
 from relax_launch.inference.client import InferenceError
 from relax_launch.inference.inprocess import EngineClients
+from relax_launch.rl.agent import AgentClient, RolloutFunction, converse, to_sample
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
 
@@ -42,6 +47,7 @@ class ContinuousRollout:
         abort: Callable[[], None],
         tokenizer: Any,
         *,
+        agent: RolloutFunction | None,
         n: int,
         max_staleness: int,
         sampling: dict[str, Any],
@@ -49,6 +55,7 @@ class ContinuousRollout:
         version: int,
     ) -> None:
         self.engines, self.draw, self.abort, self.tokenizer = engines, draw, abort, tokenizer
+        self.agent = agent  # rollout.function: conversations instead of single responses
         self.n, self.k, self.sampling, self.max_tokens = n, max_staleness, sampling, max_tokens
         self.version = version  # the weights the engines serve
         self.batches = 0  # batches started
@@ -152,8 +159,9 @@ class ContinuousRollout:
                 task.cancel()
 
     async def _group(self, prompt: Prompt, ids: list[int], key: str) -> None:
+        one = self._conversation if self.agent is not None else self._sample
         try:
-            samples = await asyncio.gather(*(self._sample(prompt, ids, key) for _ in range(self.n)))
+            samples = await asyncio.gather(*(one(prompt, ids, key) for _ in range(self.n)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine's failure fails the next take()
@@ -163,20 +171,58 @@ class ContinuousRollout:
         self.wakeup.set()
 
     async def _sample(self, prompt: Prompt, ids: list[int], key: str) -> Sample:
-        """One response, continued after every abort from its own tokens with the weights the
-        engines then serve."""
+        """One response to the prompt."""
+        sampling = self.sampling | {"max_new_tokens": self.max_tokens}
+        body = {"input_ids": ids, "return_logprob": True, "sampling_params": sampling}
+        reply = await self._generate(body, key)
+        meta = reply["meta_info"]
+        versions = meta["token_versions"]
+        return Sample(
+            group=0,
+            question=prompt.messages[-1]["content"],
+            label=prompt.label,
+            prompt_ids=list(ids),
+            response_ids=reply["output_ids"],
+            logprobs=[lp for lp, *_ in meta["output_token_logprobs"]],
+            text=reply["text"],
+            weight_version=str(min(versions, default=self.version)),
+            finish_reason=meta["finish_reason"]["type"],
+            data_source=prompt.data_source,
+            token_versions=versions,
+        )
+
+    async def _conversation(self, prompt: Prompt, ids: list[int], key: str) -> Sample:
+        """One conversation of the rollout function (``rl/agent.py``), each of its turns
+        resumable as a plain response is."""
+        client = AgentClient(
+            functools.partial(self._generate, key=key),
+            self.tokenizer,
+            self.sampling["temperature"],
+            self.max_tokens,
+        )
+        conversation, outcome = await converse(self.agent, prompt, client)
+        sample = to_sample(0, (prompt, ids), client, conversation, outcome)
+        sample.token_versions = client.trajectory.token_versions
+        return sample
+
+    async def _generate(self, body: dict[str, Any], key: str) -> dict[str, Any]:
+        """``/generate`` continued after every abort from its own tokens, with the weights the
+        engines then serve; one reply for all of it, each token's weight version in
+        ``meta_info["token_versions"]``."""
         client = self.engines.client("rollout")
+        ids, wanted = body["input_ids"], body["sampling_params"]["max_new_tokens"]
         out: list[int] = []
-        logprobs: list[float] = []
+        logprobs: list[list[Any]] = []
         versions: list[int] = []
-        finish = ""
+        meta: dict[str, Any] = {}
+        finish: dict[str, Any] = {}
         for _ in range(MAX_SEGMENTS):
             await self.running.wait()
-            sampling = self.sampling | {"max_new_tokens": self.max_tokens - len(out)}
-            body = {"input_ids": ids + out, "return_logprob": True, "sampling_params": sampling}
+            sampling = body["sampling_params"] | {"max_new_tokens": wanted - len(out)}
+            segment = body | {"input_ids": ids + out, "sampling_params": sampling}
             self.in_flight += 1
             try:
-                reply = await client.request("/generate", body, affinity_key=key)
+                reply = await client.request("/generate", segment, affinity_key=key)
             except InferenceError as error:
                 if error.status == 503 and self.paused:  # refused while the sync runs
                     continue
@@ -186,24 +232,19 @@ class ContinuousRollout:
             meta, got = reply["meta_info"], list(reply["output_ids"])
             out += got
             self.tokens += len(got)
-            logprobs += [float(lp) for lp, *_ in meta["output_token_logprobs"]]
+            logprobs += meta["output_token_logprobs"]
             versions += [version_of(meta, self.version)] * len(got)
-            finish = (meta.get("finish_reason") or {}).get("type", "")
-            if finish != "abort" or len(out) >= self.max_tokens:
+            finish = meta.get("finish_reason") or {}
+            if finish.get("type") != "abort" or len(out) >= wanted:
                 break
-        return Sample(
-            group=0,
-            question=prompt.messages[-1]["content"],
-            label=prompt.label,
-            prompt_ids=list(ids),
-            response_ids=out,
-            logprobs=logprobs,
-            text=self.tokenizer.decode(out, skip_special_tokens=True),
-            weight_version=str(min(versions, default=self.version)),
-            finish_reason="length" if finish == "abort" else finish,
-            data_source=prompt.data_source,
-            token_versions=versions,
-        )
+        if not meta:
+            raise RuntimeError(f"the rollout engines refused a generation {MAX_SEGMENTS} times")
+        if finish.get("type") == "abort":  # out of tokens while being interrupted
+            finish = {"type": "length", "length": len(out)}
+        meta |= {"output_token_logprobs": logprobs, "finish_reason": finish}
+        meta |= {"token_versions": versions, "weight_version": str(min(versions, default=0))}
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return {"text": text, "output_ids": out, "meta_info": meta}
 
 
 def version_of(meta: dict[str, Any], default: int) -> int:

@@ -123,6 +123,7 @@ def continuous_rollout(
         functools.partial(next_prompts, context),
         abort,
         context.tokenizer,
+        agent=context.agent,
         n=a.n_samples_per_prompt,
         max_staleness=a.max_staleness,
         sampling={"temperature": a.temperature},

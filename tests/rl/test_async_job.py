@@ -13,8 +13,14 @@ from test_rl_job import assert_calm_console, run_tiny
 pytestmark = pytest.mark.e2e
 
 
-def test_fully_async_job_interrupts_and_resumes_generations(tmp_path):
-    result = run_tiny(Path(__file__).parent / "async_tiny.yaml", f"logging.dir={tmp_path}")
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["rollout.function=tiny_agent:two_long_turns"]],
+    ids=["responses", "conversations"],
+)
+def test_fully_async_job_interrupts_and_resumes_generations(tmp_path, overrides):
+    config = Path(__file__).parent / "async_tiny.yaml"
+    result = run_tiny(config, f"logging.dir={tmp_path}", *overrides)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
@@ -30,4 +36,6 @@ def test_fully_async_job_interrupts_and_resumes_generations(tmp_path):
     # the token-level correction (auto) sees the gap between sampling and trained weights
     assert steps[0]["mismatch_kl"] < 1e-4 and max(s["mismatch_kl"] for s in steps) > 1e-4
     assert "stale 2" in result.stdout
+    if overrides:  # each conversation's turns recorded token for token, across versions
+        assert all(s["agent/turns"] == 2 and s["agent/rejected"] == 0 for s in steps)
     assert_calm_console(result, tmp_path, ranks=2, steps=6)

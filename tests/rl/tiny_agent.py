@@ -35,3 +35,12 @@ async def edits_the_reply(prompt, client):
     messages.append({"role": "user", "content": "Go on."})
     await client.chat.completions.create(messages=messages, max_tokens=3)
     return messages
+
+
+async def two_long_turns(prompt, client):
+    """two_turns with longer replies: a sync is likelier to interrupt one (the async job)."""
+    messages = list(prompt.messages)
+    for _ in range(2):
+        reply = await client.chat.completions.create(messages=messages, max_tokens=40)
+        messages += [reply.choices[0].message, {"role": "user", "content": "Go on."}]
+    return messages[:-1]
