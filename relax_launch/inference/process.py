@@ -7,7 +7,6 @@ gone. It is killed if the rank that started it dies, and never sees torchrun's e
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import os
@@ -16,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import aiohttp
+import httpx
 
 PROBE = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
@@ -42,8 +41,10 @@ class OwnedProcess:
         raise NotImplementedError
 
     def probe(self, timeout_s: float) -> None:
-        """Raises (aiohttp.ClientError, TimeoutError) until the server generates a token."""
-        asyncio.run(_generate_one(self.url, timeout_s))
+        """Raises ``httpx.HTTPError`` until the server generates a token (the router answers
+        503 while it has no healthy worker)."""
+        reply = httpx.post(self.url + "/generate", json=PROBE, timeout=timeout_s, trust_env=False)
+        reply.raise_for_status()
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return base
@@ -90,7 +91,7 @@ class OwnedProcess:
             try:
                 self.probe(timeout_s=5)
                 return
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except (httpx.HTTPError, OSError):
                 time.sleep(0.5)
         raise ProcessStartError(
             f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s:\n{self.log_tail()}"
@@ -116,16 +117,6 @@ class OwnedProcess:
             self.process.poll()
             time.sleep(0.05)
         self.process.wait(timeout=5)
-
-
-async def _generate_one(url: str, timeout_s: float) -> None:
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(url + "/generate", json=PROBE) as reply,
-    ):
-        reply.raise_for_status()  # e.g. the router's 503 while it has no healthy worker
-        await reply.read()
 
 
 # Set by torchrun for its workers; SGLang reads some of them (e.g. LOCAL_RANK picks a NUMA node)
