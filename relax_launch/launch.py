@@ -25,10 +25,11 @@ def main(argv: list[str]) -> int:
         placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
         preflight(job, placement, require_models=True)
         check_runnable(placement)
-        if rank == 0:  # the controller reads the data and calls the rewards
+        prompts = []  # read and checked once, by rank 0: the controller trains on them
+        if rank == 0:
             from relax_launch.rl.inputs import check_inputs
 
-            check_inputs(job.data, job.reward, job.eval, job.rollout.function)
+            prompts = check_inputs(job.data, job.reward, job.eval, job.rollout.function)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2
@@ -37,7 +38,7 @@ def main(argv: list[str]) -> int:
     from relax_launch.runtime.stop import EXIT_STOPPED, JobStopped
 
     try:
-        run_rank(job, placement, rl_program(job))
+        run_rank(job, placement, rl_program(job, prompts))
     except JobStopped:
         return EXIT_STOPPED  # a checkpoint and the command that resumes are on the console
     return 0

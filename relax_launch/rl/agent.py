@@ -25,12 +25,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.data import Prompt
-from relax_launch.rl.rollout import all_or_none
+from relax_launch.rl.rollout import all_or_none, weight_version_of
 from relax_launch.rl.samples import Sample
+
+if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
+    from relax_launch.inference.inprocess import EngineClients
 
 SENTINEL = "\u2063relax-sentinel\u2063"  # a reply text no template alters: what follows it
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)  # Hermes / Qwen
@@ -58,16 +60,10 @@ class Trajectory:
     mask: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: int = 0
-    versions: list[str] = field(default_factory=list)  # of each turn (its oldest token's)
+    versions: list[int] = field(default_factory=list)  # of each turn (its oldest token's)
     token_versions: list[int] = field(default_factory=list)  # of each token, where replies say
     finish_reason: str = ""
     rejected: str | None = None
-
-
-def version_number(meta: dict[str, Any]) -> int:
-    """The weight version a reply was generated with (0 when it says none)."""
-    version = str(meta.get("weight_version"))
-    return int(version) if version.lstrip("-").isdigit() else 0
 
 
 def as_dict(message: Any) -> dict[str, Any]:
@@ -174,8 +170,10 @@ class AgentClient:
         t.mask += [1.0] * len(out)
         t.logprobs += logprobs
         t.turns += 1
-        t.versions.append(str(meta.get("weight_version")))
-        turn = meta.get("token_versions") or [version_number(meta)] * len(out)
+        version = weight_version_of(meta)
+        if version is not None:
+            t.versions.append(version)
+        turn = meta.get("token_versions") or [version or 0] * len(out)
         t.token_versions += [turn[0] if turn else 0] * (
             len(t.ids) - len(out) - len(t.token_versions)
         )
@@ -297,7 +295,6 @@ def to_sample(
     t, (source, ids) = client.trajectory, prompt
     replies = [m for m in conversation or [] if m.get("role") == "assistant"]
     text = (replies[-1] if replies else client.reply).get("content") or ""
-    numeric = [v for v in t.versions if v.lstrip("-").isdigit()]
     sample = Sample(
         group=group,
         question=source.messages[-1]["content"],
@@ -306,7 +303,7 @@ def to_sample(
         response_ids=t.ids,
         logprobs=t.logprobs,
         text=text,
-        weight_version=min(numeric, key=int) if numeric else "None",
+        weight_version=str(min(t.versions)) if t.versions else "None",
         finish_reason=t.finish_reason,
         data_source=source.data_source,
         response_mask=t.mask,

@@ -29,6 +29,7 @@ from relax_launch.inference.client import InferenceError
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.agent import AgentClient, RolloutFunction, converse, to_sample
 from relax_launch.rl.data import Prompt
+from relax_launch.rl.rollout import reply_sample, weight_version_of
 from relax_launch.rl.samples import Sample
 
 MAX_SEGMENTS = 64  # continuations of one sample: more means the engines abort on their own
@@ -175,21 +176,9 @@ class ContinuousRollout:
         sampling = self.sampling | {"max_new_tokens": self.max_tokens}
         body = {"input_ids": ids, "return_logprob": True, "sampling_params": sampling}
         reply = await self._generate(body, key)
-        meta = reply["meta_info"]
-        versions = meta["token_versions"]
-        return Sample(
-            group=0,
-            question=prompt.messages[-1]["content"],
-            label=prompt.label,
-            prompt_ids=list(ids),
-            response_ids=reply["output_ids"],
-            logprobs=[lp for lp, *_ in meta["output_token_logprobs"]],
-            text=reply["text"],
-            weight_version=str(min(versions, default=self.version)),
-            finish_reason=meta["finish_reason"]["type"],
-            data_source=prompt.data_source,
-            token_versions=versions,
-        )
+        sample = reply_sample(0, prompt, ids, reply)
+        sample.token_versions = reply["meta_info"]["token_versions"]
+        return sample
 
     async def _conversation(self, prompt: Prompt, ids: list[int], key: str) -> Sample:
         """One conversation of the rollout function (``rl/agent.py``), each of its turns
@@ -233,7 +222,8 @@ class ContinuousRollout:
             out += got
             self.tokens += len(got)
             logprobs += meta["output_token_logprobs"]
-            versions += [version_of(meta, self.version)] * len(got)
+            version = weight_version_of(meta)
+            versions += [self.version if version is None else version] * len(got)
             finish = meta.get("finish_reason") or {}
             if finish.get("type") != "abort" or len(out) >= wanted:
                 break
@@ -242,14 +232,7 @@ class ContinuousRollout:
         if finish.get("type") == "abort":  # out of tokens while being interrupted
             finish = {"type": "length", "length": len(out)}
         meta |= {"output_token_logprobs": logprobs, "finish_reason": finish}
-        meta |= {"token_versions": versions, "weight_version": str(min(versions, default=0))}
+        oldest = min(versions, default=self.version)
+        meta |= {"token_versions": versions, "weight_version": str(oldest)}
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         return {"text": text, "output_ids": out, "meta_info": meta}
-
-
-def version_of(meta: dict[str, Any], default: int) -> int:
-    """The weight version an engine reply says it was generated with."""
-    try:
-        return int(meta.get("weight_version"))
-    except (TypeError, ValueError):
-        return default

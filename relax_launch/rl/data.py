@@ -195,6 +195,15 @@ def _is_message(message: Any) -> bool:
     )
 
 
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The prompt's token ids: its messages in the tokenizer's chat template, ready for the
+    assistant's reply."""
+    text = tokenizer.apply_chat_template(
+        list(prompt.messages), add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class PromptStream:
     """Batches of prompts in a seeded order that is reshuffled every epoch; resumable."""
 

@@ -11,7 +11,7 @@ from typing import Any
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
 from relax_launch.rl.config import EvalConfig
-from relax_launch.rl.data import Prompt, load_prompts
+from relax_launch.rl.data import Prompt, load_prompts, prompt_ids
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 
@@ -32,10 +32,7 @@ class Evaluation:
         prompts = load_prompts(config.data())[: config.max_prompts]
         self.prompts: list[tuple[Prompt, list[int]]] = []
         for prompt in prompts:
-            text = tokenizer.apply_chat_template(
-                list(prompt.messages), add_generation_prompt=True, tokenize=False
-            )
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = prompt_ids(tokenizer, prompt)
             if len(ids) <= max_prompt_tokens:
                 self.prompts.append((prompt, ids))
         self.skipped = len(prompts) - len(self.prompts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from relax_launch.config import ConfigError
 from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.config import DataConfig, EvalConfig, RewardConfig
-from relax_launch.rl.data import load_prompts
+from relax_launch.rl.data import Prompt, load_prompts
 from relax_launch.rl.rewards import load_function
 
 
@@ -16,9 +16,9 @@ def check_inputs(
     reward: RewardConfig,
     evaluation: EvalConfig | None = None,
     rollout_function: str | None = None,
-) -> int:
+) -> list[Prompt]:
     """Raise ConfigError naming the field when the data, the eval data, a reward function or
-    the rollout function is unusable; returns the number of training prompts."""
+    the rollout function is unusable; returns the training prompts (rank 0 trains on them)."""
     try:
         prompts = load_prompts(data)
     except (ValueError, OSError) as exc:
@@ -46,4 +46,4 @@ def check_inputs(
                 f"rollout.function: {exc} ({type(exc).__name__}); is its module on PYTHONPATH?",
                 ("rollout.function",),
             ) from None
-    return len(prompts)
+    return prompts

@@ -29,7 +29,7 @@ from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.batch import assign_advantages, sample_metrics, shape_overlong, to_batch
 from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
-from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
+from relax_launch.rl.data import Prompt, PromptCursor, PromptStream, prompt_ids
 from relax_launch.rl.dynamic_sampling import keep_groups_with_signal
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.report import MetricsLog, StepProgress
@@ -304,10 +304,7 @@ def next_prompts(ctx: RLContext) -> list[tuple[Prompt, list[int]]]:
         if len(chosen) == ctx.data.prompts_per_step:
             return chosen
         prompt = ctx.prompts.next_batch(1)[0]
-        text = ctx.tokenizer.apply_chat_template(
-            list(prompt.messages), add_generation_prompt=True, tokenize=False
-        )
-        ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        ids = prompt_ids(ctx.tokenizer, prompt)
         if len(ids) > ctx.data.max_prompt_tokens:
             ctx.skipped_prompts += 1
             continue

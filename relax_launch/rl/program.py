@@ -14,7 +14,7 @@ from relax_launch.rl import rollout
 from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.colocated import colocated_step
-from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
+from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.loop import RLContext, next_prompts, rl_step, run
 from relax_launch.rl.report import MetricsLog, metric_sinks
@@ -28,17 +28,14 @@ from relax_launch.runtime.startup import write_report
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
 
-def rl_program(job: JobConfig) -> Any:
+def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
     """Bring the job up (engines, first weight sync; the newest checkpoint first when resuming),
-    then run the RL steps up to ``algorithm.num_steps``."""
+    then run the RL steps up to ``algorithm.num_steps`` on the prompts ``data`` (read and
+    checked by ``rl.inputs.check_inputs``)."""
 
     def program(session: Session) -> list[dict[str, float]]:
         log_dir = job.log_dir
-        prompts = PromptStream(
-            load_prompts(job.data),
-            shuffle=job.data.shuffle,
-            seed=job.data.seed,
-        )
+        prompts = PromptStream(data, shuffle=job.data.shuffle, seed=job.data.seed)
         checkpoints = None
         if job.checkpoint.dir is not None:
             directory = Path(job.checkpoint.dir.format(name=job.name))

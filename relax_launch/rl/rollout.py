@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
+
+if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
+    from relax_launch.inference.inprocess import EngineClients
 
 T = TypeVar("T")
 
@@ -57,25 +59,31 @@ def generate(
         for _ in range(n)
     ]
     replies = _gather(engines, "rollout", calls)
-    samples = []
-    for i, reply in enumerate(replies):
-        prompt, ids = prompts[i // n]
-        meta = reply["meta_info"]
-        samples.append(
-            Sample(
-                group=i // n,
-                question=prompt.messages[-1]["content"],
-                label=prompt.label,
-                prompt_ids=list(ids),
-                response_ids=list(reply["output_ids"]),
-                logprobs=[float(lp) for lp, *_ in meta["output_token_logprobs"]],
-                text=reply["text"],
-                weight_version=str(meta.get("weight_version")),
-                finish_reason=(meta.get("finish_reason") or {}).get("type", ""),
-                data_source=prompt.data_source,
-            )
-        )
-    return samples
+    return [reply_sample(i // n, *prompts[i // n], reply) for i, reply in enumerate(replies)]
+
+
+def reply_sample(group: int, prompt: Prompt, ids: list[int], reply: dict[str, Any]) -> Sample:
+    """The sample of one engine reply to ``prompt`` (whose token ids are ``ids``)."""
+    meta = reply["meta_info"]
+    return Sample(
+        group=group,
+        question=prompt.messages[-1]["content"],
+        label=prompt.label,
+        prompt_ids=list(ids),
+        response_ids=list(reply["output_ids"]),
+        logprobs=[float(lp) for lp, *_ in meta["output_token_logprobs"]],
+        text=reply["text"],
+        weight_version=str(meta.get("weight_version")),
+        finish_reason=(meta.get("finish_reason") or {}).get("type", ""),
+        data_source=prompt.data_source,
+    )
+
+
+def weight_version_of(meta: dict[str, Any]) -> int | None:
+    """The weight version an engine reply says it was generated with (None before the first
+    sync names one: SGLang's "default")."""
+    version = str(meta.get("weight_version"))
+    return int(version) if version.lstrip("-").isdigit() else None
 
 
 def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:

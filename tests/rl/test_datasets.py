@@ -111,7 +111,7 @@ def test_check_inputs_names_the_reward_function_that_does_not_import(tmp_path):
     path.write_text('{"prompt": "hi"}\n')
     data = DataConfig(dataset=str(path))
     rewards = RewardConfig(sources=(RewardSource(name="a", function="builtin:exact_numeric"),))
-    assert check_inputs(data, rewards) == 1
+    assert len(check_inputs(data, rewards)) == 1
     broken = RewardConfig(sources=(RewardSource(name="a", function="no_such_module:score"),))
     with pytest.raises(ConfigError, match=r"reward.sources\[0\].function: .*no_such_module"):
         check_inputs(data, broken)
