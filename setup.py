@@ -45,9 +45,10 @@ SGLANG_CPU_DEPS = [
 ]
 # httptools: the gateway's HTTP parser (uvicorn falls back to the slower h11 without it).
 # rich: the operator's console (progress with ETA); psutil: finding the processes a job started.
-RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httpx", "httptools", "accelerate"]
+RUNTIME_DEPS = ["torch", "megatron-core", "sglang-router", "httptools", "accelerate"]
 RUNTIME_DEPS += ["rich", "psutil"]
-# The gateway (rank 0): FastAPI on Starlette, aiohttp to the engines, prometheus_client metrics.
+# The gateway (rank 0): FastAPI on Starlette, prometheus_client metrics; aiohttp: the package's
+# one HTTP client (relax_launch/http.py).
 RUNTIME_DEPS += ["fastapi", "starlette", "aiohttp", "prometheus-client"]
 # tensorboard: event files (torch.utils.tensorboard); matplotlib: curves.png; wandb: logging.wandb.
 RUNTIME_DEPS += ["tensorboard", "matplotlib", "wandb"]
@@ -65,7 +66,8 @@ setup(
     extras_require={
         "cpu": RUNTIME_DEPS + SGLANG_CPU_DEPS,
         "gpu": RUNTIME_DEPS + ["sglang"],
-        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis"],
+        # httpx: the tests' and benchmarks' own client, independent of the package's
+        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis", "httpx"],
     },
     entry_points={
         "console_scripts": ["relax-launch=relax_launch.cli:main"],

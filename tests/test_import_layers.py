@@ -20,6 +20,7 @@ LAYERS = {
     "schema": 0,  # relax_launch/config/ and every package's own config.py section module
     "platform": 0,
     "models": 0,
+    "http": 0,  # relax_launch/http.py: the one HTTP client library
     "placement": 1,
     "inference": 1,
     "weights": 1,

@@ -6,21 +6,23 @@ picks the engine with the same ``RouteResolver`` the gateway uses, so both choos
 and, under policy ``affinity``, the same engine for a key (through sglang-router, the key goes to
 the router, which then chooses for both). A request the router refused as not ready (503) is
 resolved once more on fresh discovery; a request that may have reached an engine is never sent
-again (a generation is never replayed).
+again (a generation is never replayed). ``InferenceClient`` runs the async client on an event
+loop thread of its own, so both behave the same by construction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import orjson
 
+from relax_launch import http
 from relax_launch.inference.discovery import Discovery
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
@@ -43,12 +45,12 @@ class InferenceError(RuntimeError):
         self.status, self.message = status, message
 
     @classmethod
-    def of(cls, response: httpx.Response) -> InferenceError:
+    def of(cls, reply: http.Reply) -> InferenceError:
         try:
-            message = response.json()["error"]["message"]
+            message = reply.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = response.text[:2000]
-        return cls(response.status_code, str(message))
+            message = reply.text[:2000]
+        return cls(reply.status, str(message))
 
 
 @dataclass(frozen=True)
@@ -116,91 +118,21 @@ class _Planner:
         return engine_request(target, path, payload)
 
 
-def _check(response: httpx.Response) -> None:
-    if response.status_code >= 400:
-        raise InferenceError.of(response)
+T = TypeVar("T")
+WAIT_MARGIN_S = 10.0  # the blocking client waits this long beyond a request's own deadline
 
 
-def _refused(response: httpx.Response) -> bool:
-    return response.status_code == 503 and REFUSED_HEADER in response.headers
+def _check(reply: http.Reply) -> None:
+    if not reply.ok:
+        raise InferenceError.of(reply)
 
 
-class InferenceClient:
-    """Blocking client for one role (``rollout``, ``genrm`` or ``teacher``)."""
-
-    def __init__(
-        self,
-        gateway_url: str,
-        role: str,
-        *,
-        direct: bool = False,
-        timeout_s: float = 300.0,
-        cache_ttl_s: float = 1.0,
-        snapshot_provider: Callable[[], Discovery] | None = None,
-    ) -> None:
-        self.planner = _Planner(gateway_url, role, direct, cache_ttl_s, snapshot_provider)
-        self.http = httpx.Client(timeout=timeout_s)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def discovery(self, refresh: bool = False) -> Discovery:
-        snapshot = None if refresh else self.planner.fresh()
-        if snapshot is None:
-            url = f"{self.planner.base}/{self.planner.role}/engines"
-            response = self.http.get(url)
-            _check(response)
-            snapshot = Discovery.model_validate_json(response.content)
-        return self.planner.store(snapshot)
-
-    def _prepare(self, path: str, payload: dict, affinity: str | None) -> Prepared:
-        if not self.planner.direct:
-            return self.planner.prepare(None, path, payload, affinity)
-        try:
-            return self.planner.prepare(self.discovery(), path, payload, affinity)
-        except ModelUnavailable:
-            return self.planner.prepare(self.discovery(refresh=True), path, payload, affinity)
-
-    def request(self, path: str, payload: dict, *, affinity_key: str | None = None) -> Any:
-        """POST a generation request; returns the parsed JSON reply."""
-        for attempt in (0, 1):
-            prepared = self._prepare(path, payload, affinity_key)
-            try:
-                response = self.http.post(
-                    prepared.url, content=prepared.body, headers=prepared.headers
-                )
-            except httpx.TransportError:
-                self.planner.invalidate()
-                raise
-            if attempt == 0 and _refused(response):
-                time.sleep(RETRY_AFTER_S)
-                continue
-            _check(response)
-            return response.json()
-
-    def generate(self, payload: dict, **kwargs: Any) -> Any:
-        return self.request("/generate", payload, **kwargs)
-
-    def chat(self, payload: dict, **kwargs: Any) -> Any:
-        return self.request("/v1/chat/completions", payload, **kwargs)
-
-    @contextmanager
-    def stream(
-        self, path: str, payload: dict, *, affinity_key: str | None = None
-    ) -> Iterator[Iterator[bytes]]:
-        """``with client.stream(path, {..., "stream": True}) as chunks:`` yields SSE bytes."""
-        prepared = self._prepare(path, {**payload, "stream": True}, affinity_key)
-        with self.http.stream(
-            "POST", prepared.url, content=prepared.body, headers=prepared.headers
-        ) as response:
-            if response.status_code >= 400:
-                response.read()
-                _check(response)
-            yield response.iter_raw()
+def _refused(reply: http.Reply) -> bool:
+    return reply.status == 503 and REFUSED_HEADER in reply.headers
 
 
 class AsyncInferenceClient:
-    """The asyncio twin of ``InferenceClient`` (same selection rule, same retry rule)."""
+    """Client for one role (``rollout``, ``genrm`` or ``teacher``) on the caller's event loop."""
 
     def __init__(
         self,
@@ -213,17 +145,26 @@ class AsyncInferenceClient:
         snapshot_provider: Callable[[], Discovery] | None = None,
     ) -> None:
         self.planner = _Planner(gateway_url, role, direct, cache_ttl_s, snapshot_provider)
-        self.http = httpx.AsyncClient(timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None  # opened on the loop that uses it
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = http.session()
+        return self._session
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def discovery(self, refresh: bool = False) -> Discovery:
         snapshot = None if refresh else self.planner.fresh()
         if snapshot is None:
-            response = await self.http.get(f"{self.planner.base}/{self.planner.role}/engines")
-            _check(response)
-            snapshot = Discovery.model_validate_json(response.content)
+            url = f"{self.planner.base}/{self.planner.role}/engines"
+            reply = await http.fetch(self.session, "GET", url, timeout_s=self.timeout_s)
+            _check(reply)
+            snapshot = Discovery.model_validate_json(reply.body)
         return self.planner.store(snapshot)
 
     async def _prepare(self, path: str, payload: dict, affinity: str | None) -> Prepared:
@@ -236,33 +177,112 @@ class AsyncInferenceClient:
             return self.planner.prepare(snapshot, path, payload, affinity)
 
     async def request(self, path: str, payload: dict, *, affinity_key: str | None = None) -> Any:
+        """POST a generation request; returns the parsed JSON reply."""
         for attempt in (0, 1):
             prepared = await self._prepare(path, payload, affinity_key)
             try:
-                response = await self.http.post(
-                    prepared.url, content=prepared.body, headers=prepared.headers
+                reply = await http.fetch(
+                    self.session,
+                    "POST",
+                    prepared.url,
+                    body=prepared.body,
+                    headers=prepared.headers,
+                    timeout_s=self.timeout_s,
                 )
-            except httpx.TransportError:
+            except http.TransportError:
                 self.planner.invalidate()
                 raise
-            if attempt == 0 and _refused(response):
+            if attempt == 0 and _refused(reply):
                 await asyncio.sleep(RETRY_AFTER_S)
                 continue
-            _check(response)
-            return response.json()
+            _check(reply)
+            return reply.json()
 
     async def generate(self, payload: dict, **kwargs: Any) -> Any:
         return await self.request("/generate", payload, **kwargs)
+
+    async def chat(self, payload: dict, **kwargs: Any) -> Any:
+        return await self.request("/v1/chat/completions", payload, **kwargs)
 
     @asynccontextmanager
     async def stream(
         self, path: str, payload: dict, *, affinity_key: str | None = None
     ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """``async with client.stream(path, payload) as chunks:`` yields the SSE bytes; each
+        chunk, not the whole stream, must come within the client's timeout."""
         prepared = await self._prepare(path, {**payload, "stream": True}, affinity_key)
-        async with self.http.stream(
-            "POST", prepared.url, content=prepared.body, headers=prepared.headers
+        per_read = aiohttp.ClientTimeout(sock_connect=self.timeout_s, sock_read=self.timeout_s)
+        async with self.session.post(
+            prepared.url, data=prepared.body, headers=prepared.headers, timeout=per_read
         ) as response:
-            if response.status_code >= 400:
-                await response.aread()
-                _check(response)
-            yield response.aiter_raw()
+            if response.status >= 400:
+                _check(http.Reply(response.status, response.headers, await response.read()))
+            yield response.content.iter_any()
+
+
+class InferenceClient:
+    """The blocking twin of ``AsyncInferenceClient``: the same client, run on an event loop
+    thread of its own."""
+
+    def __init__(
+        self,
+        gateway_url: str,
+        role: str,
+        *,
+        direct: bool = False,
+        timeout_s: float = 300.0,
+        cache_ttl_s: float = 1.0,
+        snapshot_provider: Callable[[], Discovery] | None = None,
+    ) -> None:
+        self.client = AsyncInferenceClient(
+            gateway_url,
+            role,
+            direct=direct,
+            timeout_s=timeout_s,
+            cache_ttl_s=cache_ttl_s,
+            snapshot_provider=snapshot_provider,
+        )
+        self.runner = http.LoopThread(f"relax-{role}-client")
+        self.wait_s = timeout_s * 2 + RETRY_AFTER_S + WAIT_MARGIN_S  # discovery, then the request
+
+    def _run(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        return self.runner.run(coro, self.wait_s, f"{self.client.planner.role} {what}")
+
+    def close(self) -> None:
+        self.runner.close(then=self.client.aclose())
+
+    def discovery(self, refresh: bool = False) -> Discovery:
+        return self._run(self.client.discovery(refresh), "discovery")
+
+    def request(self, path: str, payload: dict, *, affinity_key: str | None = None) -> Any:
+        """POST a generation request; returns the parsed JSON reply."""
+        return self._run(self.client.request(path, payload, affinity_key=affinity_key), path)
+
+    def generate(self, payload: dict, **kwargs: Any) -> Any:
+        return self.request("/generate", payload, **kwargs)
+
+    def chat(self, payload: dict, **kwargs: Any) -> Any:
+        return self.request("/v1/chat/completions", payload, **kwargs)
+
+    @contextmanager
+    def stream(
+        self, path: str, payload: dict, *, affinity_key: str | None = None
+    ) -> Iterator[Iterator[bytes]]:
+        """``with client.stream(path, {..., "stream": True}) as chunks:`` yields SSE bytes."""
+        opened = self.client.stream(path, payload, affinity_key=affinity_key)
+        chunks = self._run(opened.__aenter__(), path)
+        try:
+            yield self._chunks(chunks, path)
+        finally:
+            self._run(opened.__aexit__(None, None, None), path)
+
+    def _chunks(self, chunks: AsyncIterator[bytes], path: str) -> Iterator[bytes]:
+        while (chunk := self._run(_next_chunk(chunks), path)) is not None:
+            yield chunk
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None

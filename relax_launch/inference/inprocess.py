@@ -1,7 +1,7 @@
 """The controller's way to the engines, in process: no HTTP hop through its own gateway.
 
 ``EngineClients`` holds, for the whole job, one event loop on its own thread, one pooled
-kept-alive HTTP client and one ``EngineClient`` per role. An ``EngineClient`` reads discovery
+kept-alive HTTP session and one ``EngineClient`` per role. An ``EngineClient`` reads discovery
 straight from the role's ``InferenceManager``, picks the engine with ``RouteResolver`` (the
 gateway's rule: same model choice, same affinity engine, same 503 before readiness) and answers
 as the gateway would (a 503 refusal, tried once more after ``RETRY_AFTER_S``; 400 for a token
@@ -20,10 +20,11 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
 from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer, vocabulary_problem
 from relax_launch.inference.manager import InferenceManager
@@ -96,14 +97,14 @@ class EngineClient:
     def __init__(
         self,
         manager: InferenceManager,
-        http: httpx.AsyncClient,
         *,
         resolver: RouteResolver,
         timeout_s: float,
         metrics: ControllerMetrics,
         render: Renderer | None = None,
     ) -> None:
-        self.manager, self.role, self.http = manager, manager.role, http
+        self.manager, self.role = manager, manager.role
+        self.session: aiohttp.ClientSession | None = None  # the job's session, once started
         self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
         self.render = render  # the genrm role's judge form (chat messages in)
 
@@ -155,28 +156,32 @@ class EngineClient:
         await asyncio.sleep(RETRY_AFTER_S)
         return self._route(path, payload, affinity_key)
 
-    async def _post(self, prepared: Prepared) -> httpx.Response:
+    async def _post(self, prepared: Prepared) -> http.Reply:
         """One POST, never replayed; the gateway's 504 and 502 for a stalled or lost engine."""
         try:
-            response = await asyncio.wait_for(
-                self.http.post(prepared.url, content=prepared.body, headers=prepared.headers),
-                self.timeout_s,
+            reply = await http.fetch(
+                self.session,
+                "POST",
+                prepared.url,
+                body=prepared.body,
+                headers=prepared.headers,
+                timeout_s=self.timeout_s,
             )
         except TimeoutError:
             raise InferenceError(
                 504, f"upstream {prepared.url} did not answer within {self.timeout_s:.0f} s"
             ) from None
-        except httpx.TransportError as exc:
+        except http.TransportError as exc:
             raise EngineUnreachable(
                 prepared.url, f"upstream {prepared.url} unavailable: {type(exc).__name__}: {exc}"
             ) from None
-        if response.status_code >= 400:
-            raise InferenceError.of(response)
-        return response
+        if not reply.ok:
+            raise InferenceError.of(reply)
+        return reply
 
     async def _post_or_reroute(
         self, prepared: Prepared, path: str, payload: dict, affinity_key: str | None
-    ) -> httpx.Response:
+    ) -> http.Reply:
         """``_post``; on a fault-tolerant role, an engine that cannot be reached and fails a
         health check leaves routing and the request goes to another engine (what it was
         generating died with it), until none is left (503)."""
@@ -194,8 +199,10 @@ class EngineClient:
         if engine is None:
             return False
         try:
-            alive = (await self.http.get(engine.url + "/health", timeout=HEALTH_S)).is_success
-        except httpx.HTTPError:
+            alive = (
+                await http.fetch(self.session, "GET", engine.url + "/health", timeout_s=HEALTH_S)
+            ).ok
+        except (http.TransportError, TimeoutError):
             alive = False
         if not alive and engine.engine_id not in self.manager.lost:
             log.warning(
@@ -236,13 +243,13 @@ class EngineClient:
             text = reply.json()["text"]
         except (ValueError, KeyError, TypeError):
             raise InferenceError(
-                502, f"the judge engine's reply has no text: {reply.content[:200]!r}"
+                502, f"the judge engine's reply has no text: {reply.body[:200]!r}"
             ) from None
         return {"response": text.strip()}, routed.model_id
 
 
 class EngineClients:
-    """The job's event loop (a daemon thread), HTTP pool and one ``EngineClient`` per role.
+    """The job's event loop (a daemon thread), HTTP session and one ``EngineClient`` per role.
 
     Any thread (the RL loop, its background rollout) runs a coroutine on the loop with ``run``.
     """
@@ -256,23 +263,12 @@ class EngineClients:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.timeout_s, self.metrics = timeout_s, ControllerMetrics(registry)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="relax-engine-clients", daemon=True
-        )
-        limits = httpx.Limits(
-            max_connections=MAX_CONNECTIONS,
-            max_keepalive_connections=MAX_CONNECTIONS,
-            keepalive_expiry=KEEPALIVE_S,
-        )
-        # no proxy from the environment: engines are reached directly, as the gateway does;
-        # each request's deadline is its own (EngineClient._post), not httpx's per-phase one
-        self.http = httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
+        self.runner: http.LoopThread | None = None
+        self.session: aiohttp.ClientSession | None = None
         resolver = RouteResolver()  # one set of round-robin cursors for the controller
         self.clients = {
             role: EngineClient(
                 manager,
-                self.http,
                 resolver=resolver,
                 timeout_s=timeout_s,
                 metrics=self.metrics,
@@ -287,20 +283,34 @@ class EngineClients:
         return self.clients[role]
 
     def start(self) -> None:
-        self.thread.start()
+        """Start the loop and open the session every role's client shares."""
+        self.runner = http.LoopThread("relax-engine-clients")
+        self.session = self.runner.run(_open_session(), WAIT_MARGIN_S, "opening the session")
+        for client in self.clients.values():
+            client.session = self.session
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self.runner is None:
+            raise RuntimeError("the controller's engine clients were not started")
+        return self.runner.loop
+
+    @property
+    def running(self) -> bool:
+        return self.runner is not None and self.runner.thread.is_alive()
 
     def run(self, coro: Coroutine[Any, Any, T], what: str, timeout_s: float | None = None) -> T:
         """``coro``'s result, run on the job's loop; called from any other thread. Waits at
         most ``timeout_s`` (default: one request's deadline, one retry and a margin), then
         cancels it and says what it waited for."""
-        if not self.thread.is_alive() or threading.current_thread() is self.thread:
+        if not self.running or threading.current_thread() is self.runner.thread:
             coro.close()
             raise RuntimeError(
                 "the controller's engine clients are not running (not started, or closed), or "
                 "run() was called on their own event loop"
             )
         limit = self.timeout_s + RETRY_AFTER_S + WAIT_MARGIN_S if timeout_s is None else timeout_s
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = self.runner.submit(coro)
         try:
             return future.result(limit)
         except TimeoutError:
@@ -319,28 +329,14 @@ class EngineClients:
         }
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Cancel what still runs (a background rollout nobody waits for), close the pool,
+        """Cancel what still runs (a background rollout nobody waits for), close the session,
         stop the loop; bounded by ``timeout_s`` per stage."""
-        if self.thread.ident is None:  # never started: nothing ran on the loop
-            self.loop.close()
+        if not self.running:
             return
-        if not self.thread.is_alive():
-            return
-        done = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
-        try:
-            done.result(timeout_s)
-        except TimeoutError:  # closing must not keep the job from stopping its engines
-            log.warning("the controller's engine clients did not close within %.0f s", timeout_s)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout_s)
-            if not self.thread.is_alive():
-                self.loop.close()
+        session = self.session
+        self.runner.close(timeout_s, then=session.close() if session is not None else None)
 
-    async def _shutdown(self) -> None:
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
-        await self.http.aclose()
-        await self.loop.shutdown_default_executor()
+
+async def _open_session() -> aiohttp.ClientSession:
+    # SGLang's HTTP server drops a connection idle for 5 s: reuse one only well before that
+    return http.session(limit=MAX_CONNECTIONS, keepalive_s=KEEPALIVE_S)

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
+from relax_launch import http
 
 PROBE = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
@@ -41,10 +41,11 @@ class OwnedProcess:
         raise NotImplementedError
 
     def probe(self, timeout_s: float) -> None:
-        """Raises ``httpx.HTTPError`` until the server generates a token (the router answers
-        503 while it has no healthy worker)."""
-        reply = httpx.post(self.url + "/generate", json=PROBE, timeout=timeout_s, trust_env=False)
-        reply.raise_for_status()
+        """Raises until the server generates a token (the router answers 503 while it has no
+        healthy worker)."""
+        reply = http.call("POST", self.url + "/generate", json=PROBE, timeout_s=timeout_s)
+        if not reply.ok:
+            raise http.TransportError(f"HTTP {reply.status}: {reply.text[:200]}")
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return base
@@ -91,7 +92,7 @@ class OwnedProcess:
             try:
                 self.probe(timeout_s=5)
                 return
-            except (httpx.HTTPError, OSError):
+            except (http.TransportError, TimeoutError, OSError):
                 time.sleep(0.5)
         raise ProcessStartError(
             f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s:\n{self.log_tail()}"

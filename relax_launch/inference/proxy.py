@@ -3,9 +3,6 @@
 Timeouts answer 504, transport failures 502; an upstream HTTP error keeps its status and body.
 A stream is piped chunk by chunk, its upstream response closed exactly once (on the end, an
 error, the deadline or the client's disconnect), and never replayed after its first chunk.
-
-aiohttp: httpx's async client costs several times its CPU per request (docs/gateway.md,
-"Performance"), and the gateway's CPU is its throughput.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import aiohttp
 from fastapi import HTTPException, Response
 from starlette.types import Receive, Scope, Send
 
+from relax_launch import http
 from relax_launch.inference.routing import ROUTING_KEY_HEADER
 
 log = logging.getLogger("relax_launch.gateway")
@@ -41,19 +39,14 @@ def forwarded_headers(
 
 
 class Upstream:
-    """One pooled aiohttp session, created on the gateway's event loop."""
+    """One pooled session, created on the gateway's event loop."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(limit=2048, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-        )
+        self.session = http.session(limit=2048)
 
     async def close(self) -> None:
         if self.session is not None:
@@ -62,13 +55,14 @@ class Upstream:
     async def forward(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
         """POST and return the whole reply."""
         try:
-            async with self.session.post(url, data=body, headers=headers) as r:
-                data = await r.read()
-                returned = {k: r.headers[k] for k in RETURNED_RESPONSE_HEADERS if k in r.headers}
-                returned["content-type"] = r.headers.get("content-type", "application/json")
-                return Response(data, r.status, returned)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            reply = await http.fetch(
+                self.session, "POST", url, body=body, headers=headers, timeout_s=self.timeout_s
+            )
+        except (TimeoutError, http.TransportError) as exc:
             raise self._error(exc, url) from None
+        returned = {k: reply.headers[k] for k in RETURNED_RESPONSE_HEADERS if k in reply.headers}
+        returned["content-type"] = reply.headers.get("content-type", "application/json")
+        return Response(reply.body, reply.status, returned)
 
     async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
         """POST for an SSE reply; an upstream error before the first byte is an HTTP error."""
@@ -77,7 +71,7 @@ class Upstream:
             response = await asyncio.wait_for(
                 self.session.post(url, data=body, headers=headers, timeout=timeout), self.timeout_s
             )
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, http.TransportError) as exc:
             raise self._error(exc, url) from None
         if response.status == 200:
             return UpstreamStream(response, url, self.timeout_s)

@@ -57,7 +57,8 @@ def route_rank_output(log_dir: Path, rank: int, level: str, label: str) -> Conso
         force=True,
     )
     logging.captureWarnings(True)  # library UserWarnings: into the log, at WARNING
-    # one INFO line per HTTP request would bury the rank's own lines
+    # one INFO line per HTTP request (httpx, under the OpenAI client a reward function may use)
+    # would bury the rank's own lines
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     operator = operator_log()
     operator.setLevel(logging.INFO)  # operator lines show whatever the libraries' level

@@ -4,17 +4,16 @@ The run directory says most of it: ``end.json`` (how it ended), ``metrics.jsonl`
 step), ``gateway.json`` (its address), ``startup.json``. A live gateway adds its engines
 (``GET /{role}/engines``). A Slurm job id is turned into its run directory
 (``{logging.dir}/job-<id>``, beside the job's ``slurm-<id>.out``) and its Slurm state.
-Stdlib only: it runs on a login node without the job's stack.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from relax_launch import http
 from relax_launch.runtime.stop import read_end_record
 
 GATEWAY_TIMEOUT_S = 3.0
@@ -91,9 +90,9 @@ def render_status(status: dict[str, Any]) -> str:
 
 def _get(url: str) -> Any:
     try:
-        with urllib.request.urlopen(url, timeout=GATEWAY_TIMEOUT_S) as response:
-            return json.loads(response.read())
-    except (OSError, ValueError) as exc:
+        reply = http.call("GET", url, timeout_s=GATEWAY_TIMEOUT_S)
+        return reply.json() if reply.ok else f"HTTP {reply.status}"
+    except (http.TransportError, TimeoutError, ValueError) as exc:
         return f"unreachable ({type(exc).__name__})"
 
 

@@ -1,18 +1,21 @@
-"""HTTP to SGLang engines' control routes: keep-alive connections for weight sync, and one-shot
+"""HTTP to SGLang engines' control routes: kept-alive connections for weight sync, and one-shot
 calls for everything else.
 
 A sync sends a few requests per engine, each of which the engine answers only once the sender
-has joined a collective, so ``EngineControl`` runs requests on a small thread pool, awaited later,
-over an ``httpx.Client`` that keeps a connection open per engine between syncs.
+has joined a collective, so ``EngineControl`` starts requests on its own event loop, awaited
+later, over one session that keeps a connection open per engine between syncs.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import httpx
+from relax_launch import http
+
+# a blocking call waits this much longer than its request's own deadline before giving up
+LOOP_MARGIN_S = 5.0
 
 
 class EngineRequestError(RuntimeError):
@@ -27,49 +30,71 @@ class EngineControl:
     """Blocking and background POSTs to engines over kept-alive connections."""
 
     def __init__(self) -> None:
-        self.http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=64), timeout=None)
-        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-control")
+        self.loop = http.LoopThread("engine-control")
+        self.session = self.loop.run(_open_session(), LOOP_MARGIN_S, "opening engine connections")
 
     def post(self, url: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
         """POST JSON and return the parsed reply; raise EngineRequestError on any failure."""
-        return _call(self.http.post, url + path, json=body or {}, timeout=timeout_s)
+        return result(self.submit(url, path, body or {}, timeout_s), timeout_s + LOOP_MARGIN_S)
 
     def submit(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Future:
-        """The same POST on the pool: the engine may block in a collective we are about to join."""
-        return self.pool.submit(self.post, url, path, body, timeout_s)
+        """The same POST, started now: the engine may block in a collective we are about to
+        join."""
+        return self.loop.submit(_post(self.session, url + path, body, timeout_s))
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()
+        try:
+            self.loop.run(self.session.close(), LOOP_MARGIN_S, "closing engine connections")
+        finally:
+            self.loop.close()
 
 
-def _call(method: Any, where: str, **kwargs: Any) -> Any:
+async def _open_session() -> Any:
+    return http.session(limit=64)
+
+
+async def _post(session: Any, where: str, body: dict[str, Any], timeout_s: float) -> Any:
     try:
-        response = method(where, **kwargs)
-    except httpx.HTTPError as exc:  # connection refused/reset, timeout
-        gone = isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
-        error = EngineUnreachable if gone else EngineRequestError
-        raise error(f"{where}: {type(exc).__name__}: {exc}") from None
-    if response.status_code >= 400:
-        raise EngineRequestError(
-            f"{where}: HTTP {response.status_code}: {response.content[:500]!r}"
-        )
+        reply = await http.fetch(session, "POST", where, json=body, timeout_s=timeout_s)
+    except (http.TransportError, TimeoutError) as exc:
+        raise _failure(where, exc) from None
+    return _parsed(where, reply)
+
+
+def _failure(where: str, exc: BaseException) -> EngineRequestError:
+    """Connection refused/reset: the engine is gone; a timeout: it is slow."""
+    error = EngineUnreachable if http.unreachable(exc) else EngineRequestError
+    why = str(exc) or "no reply in time"
+    return error(f"{where}: {type(exc).__name__}: {why}")
+
+
+def _parsed(where: str, reply: http.Reply) -> Any:
+    if not reply.ok:
+        raise EngineRequestError(f"{where}: HTTP {reply.status}: {reply.body[:500]!r}")
     try:
-        reply = response.json() if response.content else None
+        parsed = reply.json() if reply.body else None
     except ValueError:
-        return response.text
-    if isinstance(reply, dict) and reply.get("success") is False:
-        raise EngineRequestError(f"{where}: {reply.get('message')}")
-    return reply
+        return reply.text
+    if isinstance(parsed, dict) and parsed.get("success") is False:
+        raise EngineRequestError(f"{where}: {parsed.get('message')}")
+    return parsed
+
+
+def _blocking(method: str, where: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+    try:
+        reply = http.call(method, where, json=body, timeout_s=timeout_s)
+    except (http.TransportError, TimeoutError) as exc:
+        raise _failure(where, exc) from None
+    return _parsed(where, reply)
 
 
 def post(url: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
     """One POST on a connection of its own (calls off the weight-sync path)."""
-    return _call(httpx.post, url + path, json=body or {}, timeout=timeout_s)
+    return _blocking("POST", url + path, body or {}, timeout_s)
 
 
 def get_json(url: str, path: str, timeout_s: float) -> Any:
-    return _call(httpx.get, url + path, timeout=timeout_s)
+    return _blocking("GET", url + path, None, timeout_s)
 
 
 def result(call: Future, timeout_s: float) -> Any:

@@ -135,4 +135,4 @@ def test_a_stuck_phase_is_cancelled_at_its_bound_and_named():
     never_run = stuck()
     with pytest.raises(RuntimeError, match="not running"):
         engines.run(never_run, what="after close")
-    assert not engines.thread.is_alive()
+    assert not engines.running

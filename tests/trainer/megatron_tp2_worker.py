@@ -109,6 +109,10 @@ def main() -> None:
             ),
             flush=True,
         )
+    # Megatron's module globals hold its groups: drop them before torch destroys the world, so
+    # no group outlives it into interpreter teardown (a gloo group freed there can abort)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
