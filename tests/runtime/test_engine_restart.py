@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlsplit
 
-import httpx
 import pytest
 
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
@@ -17,6 +17,27 @@ from relax_launch.inference.inprocess import ControllerMetrics, EngineClient, En
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.routing import RouteResolver
 from relax_launch.runtime.engine_restart import EngineRestarts, RolloutMembership, engine_key
+
+
+class HealthSession:
+    """Answers /health: 200 from port 4335, 503 from any other (the session's request API)."""
+
+    def request(self, method: str, url: str, **kwargs: object) -> HealthReply:
+        return HealthReply(200 if urlsplit(url).port == 4335 else 503)
+
+
+class HealthReply:
+    def __init__(self, status: int) -> None:
+        self.status, self.headers = status, {}
+
+    async def __aenter__(self) -> HealthReply:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        return b""
 
 
 class DictStore:
@@ -166,7 +187,7 @@ def test_a_server_that_does_not_start_again_ends_the_job():
 
 def test_the_engine_taken_out_is_the_one_that_dropped_the_request_not_a_url_prefix_of_it():
     """Engines at ports 4335 and 43357: a request to 43357 that was dropped, while 43357 fails
-    its health check, takes out engine 43357 only (an httpx transport stands in for both)."""
+    its health check, takes out engine 43357 only (a scripted session stands in for both)."""
     manager = rollout(0)
     manager.attach(
         [
@@ -174,16 +195,10 @@ def test_the_engine_taken_out_is_the_one_that_dropped_the_request_not_a_url_pref
             EngineHandle("m/1", "http://127.0.0.1:43357", "rollout", False),
         ]
     )
-    health = httpx.MockTransport(
-        lambda request: httpx.Response(200 if request.url.port == 4335 else 503)
-    )
     client = EngineClient(
-        manager,
-        httpx.AsyncClient(transport=health),
-        resolver=RouteResolver(),
-        timeout_s=5,
-        metrics=ControllerMetrics(),
+        manager, resolver=RouteResolver(), timeout_s=5, metrics=ControllerMetrics()
     )
+    client.session = HealthSession()
     dropped = EngineUnreachable("http://127.0.0.1:43357/generate", "Server disconnected")
     assert asyncio.run(client._engine_died(dropped)) is True
     assert serving(manager) == ["m/0"] and manager.lost == {"m/1": "Server disconnected"}
