@@ -29,7 +29,7 @@ def _load_and_plan(
     placement = plan(job, nnodes=nnodes, nproc_per_node=nproc)
     notes = preflight(job, placement, require_models=require_models)
     if require_models:  # about to start it
-        check_runnable(placement)
+        check_runnable(job, placement)
         from relax_launch.rl.inputs import check_inputs  # reads the data, imports rewards
 
         check_inputs(job.data, job.reward, job.eval, job.rollout.function)

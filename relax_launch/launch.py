@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         world = job.cluster.nnodes * job.cluster.nproc_per_node
         placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
         preflight(job, placement, require_models=True)
-        check_runnable(placement)
+        check_runnable(job, placement)
         prompts = []  # read and checked once, by rank 0: the controller trains on them
         if rank == 0:
             from relax_launch.rl.inputs import check_inputs

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from relax_launch import platform
+from relax_launch import http, platform
 from relax_launch.inference.process import OwnedProcess
 
 RECEIVER_PLUGIN = "relax_launch_weights"  # setup.py's sglang.srt.plugins entry point
@@ -34,7 +34,11 @@ def engine_cli_args(engine: dict[str, Any]) -> list[str]:
 
 
 class SGLangServer(OwnedProcess):
-    """An SGLang HTTP server for one engine; ready once it has generated one token."""
+    """An SGLang HTTP server for one engine; ready once it has generated one token.
+
+    An engine spanning nodes runs one such process per node (``nnodes``, ``node_rank``, all
+    meeting at ``dist_init_addr``); only node rank 0 serves generation, the others answer
+    ``/health`` once their TP workers are up, and node 0's first token needs them all."""
 
     def __init__(
         self,
@@ -47,12 +51,22 @@ class SGLangServer(OwnedProcess):
         tp_size: int = 1,
         pp_size: int = 1,
         base_gpu_id: int = 0,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
         engine: dict[str, Any] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.model_path, self.device = str(model_path), device
         self.extra_env = dict(extra_env or {})
         self.parallel = {"tp_size": tp_size, "pp_size": pp_size, "base_gpu_id": base_gpu_id}
+        if nnodes > 1:
+            self.parallel |= {
+                "nnodes": nnodes,
+                "node_rank": node_rank,
+                "dist_init_addr": dist_init_addr,
+            }
+        self.node_rank = node_rank
         self.engine = dict(engine or {})
         super().__init__(
             host=host,
@@ -77,6 +91,14 @@ class SGLangServer(OwnedProcess):
             *engine_cli_args(self.engine),
         ]
 
+    def probe(self, timeout_s: float) -> None:
+        if self.node_rank == 0:
+            return super().probe(timeout_s)
+        reply = http.call("GET", self.url + "/health", timeout_s=timeout_s)
+        if not reply.ok:
+            raise http.TransportError(f"HTTP {reply.status}: {reply.text[:200]}")
+        return None
+
     def env(self, base: dict[str, str]) -> dict[str, str]:
         # Logprobs of the model itself, not of the temperature-scaled sampling distribution: the
         # trainer and the teacher score tokens that way, so PPO ratios and KLs compare like with
@@ -86,6 +108,10 @@ class SGLangServer(OwnedProcess):
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
             **self.extra_env,
         }
+        if self.parallel.get("nnodes", 1) > 1:
+            # where this node's TP workers are reached by the other nodes' (SGLang's message
+            # queues otherwise guess it from the hostname or a route to a public DNS server)
+            env["SGLANG_HOST_IP"] = self.host
         if env.get("SGLANG_PLUGINS"):  # a whitelist of plugins must keep weight sync's receiver
             env["SGLANG_PLUGINS"] += "," + RECEIVER_PLUGIN
         return env

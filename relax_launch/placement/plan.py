@@ -130,6 +130,13 @@ class PlacementPlan:
         ]
         return max(1, cores // max(len(computing), 1))
 
+    def engine_node_heads(self, engine: EnginePlan) -> tuple[int, ...]:
+        """The first rank of ``engine`` on each of its nodes, in node order: each starts its
+        node's SGLang process, whose ``node_rank`` is its index (the first is the head)."""
+        return tuple(
+            min(r for r in engine.ranks if self.ranks[r].node == node) for node in engine.nodes
+        )
+
     def engines_of(self, role: str) -> tuple[EnginePlan, ...]:
         return tuple(e for e in self.engines if e.role == role)
 

@@ -163,22 +163,29 @@ def _largest_common_divisor(facts: ModelFacts, below: int) -> int:
     )
 
 
-def check_runnable(plan: PlacementPlan) -> None:
+def check_runnable(job: JobConfig, plan: PlacementPlan) -> None:
     """What the planner accepts but the runtime cannot start yet (``relax-launch plan`` still
-    shows such a plan; ``run``, ``sbatch`` and every rank refuse it before starting anything)."""
-    wide = [
-        f"{e.role} engine {e.index} (nodes {list(e.nodes)})"
-        for e in plan.engines
-        if len(e.nodes) > 1
-    ]
-    if wide:
+    shows such a plan; ``run``, ``sbatch`` and every rank refuse it before starting anything).
+
+    An engine spanning nodes runs (one SGLang process per node), in ``decoupled`` placement and
+    without ``rollout.fault_tolerance``: a restart brings back one node's process, not the
+    engine, and colocated phases move memory on one node's process only."""
+    wide = [e for e in plan.engines if len(e.nodes) > 1]
+    if not wide:
+        return
+    named = ", ".join(f"{e.role} engine {e.index} (nodes {list(e.nodes)})" for e in wide)
+    fields = tuple(dict.fromkeys(f"{e.role}.ranks_per_engine" for e in wide))
+    if plan.mode != "decoupled":
         raise ConfigError(
-            f"{', '.join(wide)} would span nodes, and the runtime starts each engine's SGLang "
-            "server on one node only: give each engine at most cluster.nproc_per_node ranks "
-            "(ranks_per_engine / tp_size) so it fits inside a node.",
-            tuple(
-                dict.fromkeys(
-                    f"{e.role}.ranks_per_engine" for e in plan.engines if len(e.nodes) > 1
-                )
-            ),
+            f"{named} would span nodes in placement.mode {plan.mode}: an engine wider than a "
+            "node runs in decoupled placement only; give each engine at most "
+            "cluster.nproc_per_node ranks (ranks_per_engine / tp_size), or use decoupled.",
+            ("placement.mode", *fields),
+        )
+    if job.rollout.fault_tolerance and any(e.role == "rollout" for e in wide):
+        raise ConfigError(
+            f"{named} would span nodes with rollout.fault_tolerance on: a dead node process "
+            "cannot be restarted alone; set rollout.fault_tolerance=false or fit each rollout "
+            "engine inside a node.",
+            ("rollout.fault_tolerance", *fields),
         )

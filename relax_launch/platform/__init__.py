@@ -102,10 +102,34 @@ def node_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def thread_env(device: Device, threads: int) -> dict[str, str]:
-    """Environment giving an SGLang process ``threads`` compute threads on the CPU (torchrun
-    sets OMP_NUM_THREADS=1 for its ranks, and the engines would inherit it); none on GPUs."""
-    return {"OMP_NUM_THREADS": str(threads)} if device == "cpu" else {}
+def thread_env(
+    device: Device, threads: int, ranks: int = 1, engine_ranks: int = 1
+) -> dict[str, str]:
+    """Environment giving an SGLang server ``threads`` compute threads on the CPU (torchrun
+    sets OMP_NUM_THREADS=1 for its ranks, and the engines would inherit it); none on GPUs.
+
+    An engine of more than one rank (``engine_ranks``, on any node) must tell SGLang's CPU
+    engine the cores of each of its ``ranks`` on this node: the ``threads`` are split between
+    them, wrapping over the node's cores."""
+    if device != "cpu":
+        return {}
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if engine_ranks > 1:
+        per_rank, cores = max(1, threads // ranks), node_cores()
+        ids = [sorted({(r * per_rank + i) % cores for i in range(per_rank)}) for r in range(ranks)]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(_core_ranges(c) for c in ids)
+    return env
+
+
+def _core_ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the form SGLang's CPU kernels parse)."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def use_threads(device: Device, threads: int) -> None:

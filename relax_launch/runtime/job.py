@@ -30,13 +30,14 @@ from relax_launch.runtime.distributed import (
     init_distributed,
 )
 from relax_launch.runtime.engine_restart import EngineRestarts
+from relax_launch.runtime.engines import cpu_threads, join_spanning_engines, launch_engines
 from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.startup import StartupClock, StartupMarks
 from relax_launch.runtime.stop import JobStopped, StopRequest, write_end_record
 from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
-from relax_launch.runtime.workers import EngineWorker, TrainerWorker
+from relax_launch.runtime.workers import TrainerWorker
 
 if TYPE_CHECKING:
     from relax_launch.inference.control_plane import ControlPlane
@@ -48,24 +49,6 @@ Program = Callable[[Session], Any]
 
 def role_labels(plan: PlacementPlan) -> dict[int, str]:
     return {r.rank: roles_label(r) for r in plan.ranks}
-
-
-def launch_engines(
-    job: JobConfig, plan: PlacementPlan, rank: int, clock: StartupClock
-) -> list[EngineWorker]:
-    """Start the servers of the engines this rank heads; they load while the rank joins the
-    process group and builds the trainer (``build_workers`` waits for them)."""
-    engines: list[EngineWorker] = []
-    try:
-        for a in plan.ranks[rank].assignments:
-            if a.is_head:
-                engines.append(engine_worker(job, plan, rank, a.role, a.engine_index))
-                engines[-1].launch()
-                clock.mark(f"{a.role} engine {a.engine_index} launched")
-    except BaseException:
-        close_all(engines)
-        raise
-    return engines
 
 
 def build_workers(
@@ -86,32 +69,6 @@ def build_workers(
     for engine in engines:
         engine.wait_ready(job.cluster.startup_timeout_s)
         clock.mark(f"{engine.engine.role} engine {engine.engine.index} ready")
-
-
-def engine_worker(job: JobConfig, plan: PlacementPlan, rank: int, role: str, index: int) -> Any:
-    """The head of engine ``index`` of ``role`` on this rank (its server not started yet)."""
-    section = job.inference_roles()[role]
-    model = job.rollout_model() if role == "rollout" else section.model
-    return EngineWorker(
-        engine=plan.engines_of(role)[index],
-        section=section,
-        dtype=job.engine_dtype(role),
-        log_level=job.logging.level,
-        model_dir=ensure_model(model),
-        device=job.cluster.device,
-        local_rank=plan.ranks[rank].local_rank,
-        log_dir=job.log_dir,
-        host=node_address(plan),
-        threads=cpu_threads(job, plan, rank, role),
-        colocated=plan.mode != "decoupled",
-    )
-
-
-def cpu_threads(job: JobConfig, plan: PlacementPlan, rank: int, role: str) -> int:
-    """Threads for this rank's ``role`` process on the CPU: its node's cores, shared with what
-    computes at the same time (``PlacementPlan.cpu_threads``)."""
-    node, cores = plan.ranks[rank].node, platform.node_cores()
-    return plan.cpu_threads(node, role, cores, job.rollout_overlaps_training)
 
 
 def trainer_worker(
@@ -301,6 +258,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
     channel = control_plane = store = watchdog = None
     try:
         store = init_distributed(job.cluster.device, job.cluster.collective_timeout_s)
+        join_spanning_engines(job, plan, rank, store, workers, clock)
         watchdog = start_watchdog(job, plan, rank, store, stop, workers)
         check_same_plan(store, plan, rank, job.cluster.collective_timeout_s)
         if job.checkpoint.dir is not None:

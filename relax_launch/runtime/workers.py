@@ -217,7 +217,8 @@ class TrainerWorker:
 
 
 class EngineWorker:
-    """The head rank of one SGLang engine: starts, reports and stops its server."""
+    """The head rank of one SGLang engine (or, for an engine spanning nodes, its first rank on
+    one node): starts, reports and stops its server process."""
 
     def __init__(
         self,
@@ -233,12 +234,11 @@ class EngineWorker:
         host: str,
         threads: int,
         colocated: bool = False,
+        node_rank: int = 0,
+        rendezvous: str | None = None,
     ) -> None:
-        self.engine = engine
-        # Colocated (split, defer) engines give their memory back between phases through
-        # SGLang's memory saver; a static model keeps a backup of its weights, while rollout's
-        # come back with the next weight sync.
-        saver = {"enable_memory_saver": True, "enable_weights_cpu_backup": engine.role != "rollout"}
+        self.engine, self.node_rank, self.rendezvous = engine, node_rank, rendezvous
+        local_ranks = len(engine.ranks) // len(engine.nodes)  # whole nodes when it spans
         # The backups of a released static model live in a directory this worker owns and
         # removes when the engine stops, whatever state the engine was stopped in.
         self.scratch = Path(tempfile.mkdtemp(prefix="relax-memory-saver-")) if colocated else None
@@ -247,17 +247,18 @@ class EngineWorker:
             model_path=model_dir,
             device=device,
             host=host,
-            log_path=log_dir / f"{engine.role}-engine{engine.index}.log",
+            log_path=log_dir / f"{engine.role}-engine{engine.index}{_node_suffix(node_rank)}.log",
             tp_size=engine.tp_size,
             pp_size=engine.pp_size,
             base_gpu_id=platform.engine_base_device(device, local_rank),
-            engine={
-                "log_level": log_level,
-                **section.engine,
-                **(saver if colocated else {}),
-                "dtype": dtype,
-            },
-            extra_env=scratch_env | platform.thread_env(device, threads),
+            nnodes=len(engine.nodes),
+            node_rank=node_rank,
+            dist_init_addr=rendezvous,
+            engine={"log_level": log_level, **section.engine}
+            | _memory_saver(engine.role, colocated)
+            | {"dtype": dtype},
+            extra_env=scratch_env
+            | platform.thread_env(device, threads, local_ranks, len(engine.ranks)),
         )
 
     def launch(self) -> None:
@@ -273,9 +274,24 @@ class EngineWorker:
         return self.server.process
 
     def handlers(self) -> dict[str, Handler]:
+        if self.node_rank != 0:  # the engine is reached at its head's server only
+            return {}
         return {EngineUrl(self.engine.role, self.engine.index).route: lambda c: self.server.url}
 
     def close(self) -> None:
         self.server.stop()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _node_suffix(node_rank: int) -> str:
+    return f"-node{node_rank}" if node_rank else ""
+
+
+def _memory_saver(role: str, colocated: bool) -> dict[str, bool]:
+    """Colocated (split, defer) engines give their memory back between phases through SGLang's
+    memory saver; a static model keeps a backup of its weights, while rollout's come back with
+    the next weight sync."""
+    if not colocated:
+        return {}
+    return {"enable_memory_saver": True, "enable_weights_cpu_backup": role != "rollout"}

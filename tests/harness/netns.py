@@ -1,4 +1,4 @@
-"""Two "nodes" on one host, each in its own network namespace with its own address.
+"""Two or more "nodes" on one host, each in its own network namespace with its own address.
 
 Why: a multi-node job (two torchrun agents, a trainer and a remote engine) tested on one host
 normally runs every process in the host's network namespace, where every address of the host
@@ -6,7 +6,8 @@ reaches every process and ``127.0.0.1`` is shared. A component that advertises o
 loopback (``MASTER_ADDR=127.0.0.1``, ``gethostbyname(gethostname())``, a default of
 ``localhost``) then still works in the test and fails on a real cluster. Here each node is a
 namespace of its own, ``relax-n0-<sfx>`` and ``relax-n1-<sfx>``, joined by one veth pair and
-nothing else: node 0 has ``10.a.b.1/24`` on its veth end, node 1 has ``10.a.b.2/24``. Inside a
+nothing else: node 0 has ``10.a.b.1/24`` on its veth end, node 1 has ``10.a.b.2/24`` (three or
+more nodes meet on a bridge in a switch namespace of its own, which has no address). Inside a
 node, ``127.0.0.1`` is that node's private loopback, so a peer reached through it is refused,
 and the host's own namespace has no link to either node (no traffic leaves the namespaces).
 
@@ -23,11 +24,15 @@ What a process inside a node sees (measured on Debian 12, see ``test_netns.py``)
 - The address a node should advertise to a peer is the source address the kernel picks to
   reach that peer: a UDP socket ``connect((peer_address, 1))`` (no packet is sent) then
   ``getsockname()[0]`` gives the node's own veth address.
+- ``/dev/shm`` is the node's own (``Node.command`` runs every process in a mount namespace with
+  a fresh tmpfs there): namespaces alone would share the host's, and SGLang, which decides that
+  two ranks are on one node when they can open each other's POSIX shared memory, would then
+  wire its message queues over 127.0.0.1 between nodes.
 
 ``available()`` says why namespaces cannot be made here (not root, no iproute2, a sandbox that
 refuses them), so a test can skip with that reason. Leaving the ``with`` block kills every
-process still inside either namespace (by PID, from ``ip netns pids``) and deletes both
-namespaces, which also removes the veth pair; this runs even when entering failed halfway.
+process still inside a node's namespace (by PID, from ``ip netns pids``) and deletes every
+namespace, which also removes the veth pairs; this runs even when entering failed halfway.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ IP_TIMEOUT_S = 10.0  # one `ip` command; they take milliseconds
 KILL_WAIT_S = 10.0  # for the processes in a namespace to be gone after SIGKILL
 REAP_TIMEOUT_S = 5.0  # for a killed child of ours to be reaped
 NODE_COUNT = 2
+PRIVATE_SHM = (
+    "unshare", "--mount", "--propagation", "private",
+    "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$@"', "node",
+)  # fmt: skip
 SUBNET_TRIES = 64
 
 
@@ -74,8 +83,10 @@ class Node:
     started: list[subprocess.Popen[Any]] = field(default_factory=list, repr=False)
 
     def command(self, argv: list[str]) -> list[str]:
-        """``argv`` run inside this node's namespace."""
-        return ["ip", "netns", "exec", self.name, *argv]
+        """``argv`` run inside this node's namespace, with a ``/dev/shm`` of its own (a mount
+        namespace with a fresh tmpfs there): nodes share no POSIX shared memory, as separate
+        hosts do not, so nothing can take two nodes for one (SGLang's same-node test does)."""
+        return ["ip", "netns", "exec", self.name, *PRIVATE_SHM, *argv]
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Starts ``argv`` inside the node; the network's exit kills and reaps it."""
@@ -151,16 +162,20 @@ def _kill_all_in(name: str) -> list[int]:
     return []
 
 
-class TwoNodeNetwork:
-    """Context manager: two namespaces joined by one veth pair; ``nodes`` are node 0 and 1."""
+class NodeNetwork:
+    """Context manager: ``count`` node namespaces on one link; ``nodes`` are node 0, 1, ...
 
-    def __init__(self) -> None:
+    Two nodes are joined by one veth pair; more by a bridge inside a switch namespace of its
+    own (``relax-sw-<sfx>``, no address), each node on it by a veth pair."""
+
+    def __init__(self, count: int = NODE_COUNT) -> None:
         self.suffix = f"{os.getpid()}-{secrets.token_hex(3)}"
-        self.names = [f"relax-n{i}-{self.suffix}" for i in range(NODE_COUNT)]
+        self.names = [f"relax-n{i}-{self.suffix}" for i in range(count)]
+        self.switch = f"relax-sw-{self.suffix}" if count > 2 else None
         self.nodes: list[Node] = []
         self.subnet: ipaddress.IPv4Network | None = None
 
-    def __enter__(self) -> TwoNodeNetwork:
+    def __enter__(self) -> NodeNetwork:
         try:
             self._create()
         except BaseException:
@@ -185,12 +200,26 @@ class TwoNodeNetwork:
         self._link_nodes(self.subnet.prefixlen)
 
     def _link_nodes(self, prefixlen: int) -> None:
-        """One veth pair, created straight inside the two namespaces (never in the host's)."""
-        first, second = self.nodes
-        _ip(
-            "link", "add", first.interface, "netns", first.name, "type", "veth",
-            "peer", "name", second.interface, "netns", second.name,
-        )  # fmt: skip
+        """veth pairs created straight inside the namespaces (never in the host's): node to
+        node for two, node to the switch's bridge for more."""
+        if self.switch is None:
+            first, second = self.nodes
+            _ip(
+                "link", "add", first.interface, "netns", first.name, "type", "veth",
+                "peer", "name", second.interface, "netns", second.name,
+            )  # fmt: skip
+        else:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for index, node in enumerate(self.nodes):
+                port = f"port{index}"
+                _ip(
+                    "link", "add", node.interface, "netns", node.name, "type", "veth",
+                    "peer", "name", port, "netns", self.switch,
+                )  # fmt: skip
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
         for node in self.nodes:
             _ip("-n", node.name, "link", "set", "lo", "up")
             address = f"{node.address}/{prefixlen}"
@@ -198,9 +227,9 @@ class TwoNodeNetwork:
             _ip("-n", node.name, "link", "set", node.interface, "up")
 
     def _cleanup(self) -> None:
-        """Kills what runs inside, deletes both namespaces; raises if anything is left."""
+        """Kills what runs inside, deletes every namespace; raises if anything is left."""
         problems = []
-        for name in self.names:
+        for name in [*self.names, *([self.switch] if self.switch else [])]:
             if not _namespace_exists(name):
                 continue
             if left := _kill_all_in(name):
@@ -224,8 +253,10 @@ def available() -> str | None:
         return f"network namespaces need root (euid {os.geteuid()})"
     if shutil.which("ip") is None:
         return "`ip` (iproute2) is not installed"
+    if shutil.which("unshare") is None:
+        return "`unshare` (util-linux) is not installed"
     try:
-        with TwoNodeNetwork() as network:
+        with NodeNetwork() as network:
             network.nodes[0].run(["true"], timeout_s=IP_TIMEOUT_S, check=True)
     except (OSError, subprocess.SubprocessError, NetnsError) as error:
         return f"cannot create network namespaces here: {error}"

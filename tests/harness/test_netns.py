@@ -22,7 +22,7 @@ from pathlib import Path
 import netns
 import psutil
 import pytest
-from netns import TwoNodeNetwork
+from netns import NodeNetwork
 
 PYTHON = sys.executable  # the project's .venv python that runs the tests
 RUN_TIMEOUT_S = 20.0
@@ -98,7 +98,7 @@ def gone(pid: int) -> bool:
 
 def test_node1_reaches_node0_only_at_its_address(tmp_path: Path):
     port = 18000 + secrets.randbelow(1000)
-    with TwoNodeNetwork() as network:
+    with NodeNetwork() as network:
         node0, node1 = network.nodes
         server = node0.popen(
             [PYTHON, "-m", "http.server", "--bind", node0.address, str(port)],
@@ -121,7 +121,7 @@ def test_node1_reaches_node0_only_at_its_address(tmp_path: Path):
 
 
 def test_exit_kills_processes_that_left_their_parent():
-    with TwoNodeNetwork() as network:
+    with NodeNetwork() as network:
         shell = network.nodes[1].popen(
             ["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], stdout=subprocess.PIPE, text=True
         )
@@ -134,13 +134,13 @@ def test_exit_kills_processes_that_left_their_parent():
 
 
 def test_failed_enter_deletes_what_it_made(monkeypatch: pytest.MonkeyPatch):
-    def fail_after_namespaces(self: TwoNodeNetwork, prefixlen: int) -> None:
+    def fail_after_namespaces(self: NodeNetwork, prefixlen: int) -> None:
         listed = listed_namespaces()
         assert all(name in listed for name in self.names), listed
         raise netns.NetnsError("failed halfway on purpose")
 
-    monkeypatch.setattr(TwoNodeNetwork, "_link_nodes", fail_after_namespaces)
-    network = TwoNodeNetwork()
+    monkeypatch.setattr(NodeNetwork, "_link_nodes", fail_after_namespaces)
+    network = NodeNetwork()
     with pytest.raises(netns.NetnsError, match="on purpose"), network:
         pytest.fail("entered a network whose setup failed")
     listed = listed_namespaces()
@@ -148,7 +148,7 @@ def test_failed_enter_deletes_what_it_made(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_node_finds_its_own_address_by_routing_not_by_hostname():
-    with TwoNodeNetwork() as network:
+    with NodeNetwork() as network:
         subnet = ipaddress.IPv4Network(network.subnet)
         seen = {}
         for node, peer in zip(network.nodes, reversed(network.nodes), strict=True):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from relax_launch.config import ConfigError, build_config
-from relax_launch.placement import plan, preflight
+from relax_launch.placement import check_runnable, plan, preflight
 
 # A valid 4-rank decoupled job on the CPU: trainer 0-1, rollout 2-3.
 BASE = {
@@ -325,3 +325,38 @@ def test_rejections_are_many_and_distinct():
             check(overrides)
         messages.add(str(info.value))
     assert len(messages) >= 25
+
+
+# One rollout engine, TP 2, over two one-rank nodes (and the trainer on a third).
+SPANNING = {
+    **BASE,
+    "cluster": {"nnodes": 3, "nproc_per_node": 1, "device": "cpu"},
+    "trainer": {"model": "builtin:tiny-llama", "ranks": 1},
+    "rollout": {
+        "ranks": 2,
+        "ranks_per_engine": 2,
+        "tp_size": 2,
+        **{"engine": BASE["rollout"]["engine"]},
+    },
+}
+
+
+def test_an_engine_spanning_nodes_runs_decoupled_without_fault_tolerance():
+    job = build_config(SPANNING, [])
+    placement = plan(job)
+    assert placement.engines[0].nodes == (1, 2)
+    assert placement.engine_node_heads(placement.engines[0]) == (1, 2)
+    check_runnable(job, placement)  # accepted
+    two_engines = ["cluster.nnodes=5", "rollout.ranks=4"]  # fault tolerance needs two
+    tolerant = build_config(SPANNING, [*two_engines, "rollout.fault_tolerance=true"])
+    with pytest.raises(ConfigError, match="cannot be restarted alone") as refused:
+        check_runnable(tolerant, plan(tolerant))
+    assert "rollout.fault_tolerance" in refused.value.fields
+
+
+def test_an_engine_spanning_nodes_is_refused_colocated():
+    two_nodes = ["cluster.nnodes=2", "cluster.nproc_per_node=1", "rollout.ranks=2", *SPLIT]
+    job = build_config(BASE, [*two_nodes, "rollout.ranks_per_engine=2", "rollout.tp_size=2"])
+    with pytest.raises(ConfigError, match="decoupled placement only") as refused:
+        check_runnable(job, plan(job))
+    assert refused.value.fields == ("placement.mode", "rollout.ranks_per_engine")
