@@ -1,21 +1,27 @@
 """Benchmark: what the gateway adds on the way to an engine, against sglang-router.
 
 One upstream, reached three ways in the same run, which take turns: directly, through
-relax-launch's gateway (uvicorn thread, as on rank 0) and through sglang-router (Rust). Two
-upstreams:
+relax-launch's gateway (uvicorn thread of this process, as on rank 0) and through sglang-router
+(Rust, a process of its own). Two upstreams:
   echo    a minimal HTTP server answering a fixed JSON body (isolates the proxy's own cost)
   engine  a real SGLang CPU engine serving the tiny Llama, one new token per request
+The upstreams and the load generator are processes of their own, as engines and clients are
+for a job: nothing else shares the gateway's interpreter (``--in-process`` puts the echo
+server and the load generator back in it, as this bench did until 2026-12-05).
 Prints p50/p99 latency of sequential requests (keep-alive), the p50 added over direct, and
 requests/s with 16 concurrent clients. There is no "added p99": a difference of two separately
 measured p99s is not a percentile of anything (it can come out negative).
-Run: ``.venv/bin/python bench/gateway.py [--requests N]``.
+Run: ``.venv/bin/python bench/gateway.py [--requests N] [--in-process]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -32,7 +38,7 @@ from relax_launch.inference.gateway import InferenceGateway
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.serve import GatewayServer
-from relax_launch.inference.server import SGLangServer
+from relax_launch.inference.server import SGLangServer, free_port
 from relax_launch.models.build import ensure_model
 
 BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -60,6 +66,26 @@ def start_echo() -> tuple[uvicorn.Server, str]:
     while not server.started:
         time.sleep(0.01)
     return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+def serve_echo(port: int) -> None:
+    """The echo upstream as a process of its own (``--echo PORT``)."""
+    uvicorn.run(echo_app, host="127.0.0.1", port=port, log_level="error", http="httptools")
+
+
+def start_echo_process() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, __file__, "--echo", str(port)])
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
+    while True:
+        try:
+            httpx.post(url + "/generate", json=BODY).raise_for_status()
+            return process, url
+        except httpx.HTTPError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise SystemExit(f"the echo server did not start on {url}") from None
+            time.sleep(0.1)
 
 
 def start_gateway(upstream: str) -> GatewayServer:
@@ -122,11 +148,28 @@ def throughputs(urls: dict[str, str], seconds: float) -> dict[str, float]:
     return {way: done[way] / took[way] for way in urls}
 
 
+def load(urls: dict[str, str], requests: int, seconds: float) -> tuple[dict, dict]:
+    """Both measurements, from this process: (latencies, requests/s) per path."""
+    return latencies(urls, requests), throughputs(urls, seconds)
+
+
+def load_elsewhere(urls: dict[str, str], requests: int, seconds: float) -> tuple[dict, dict]:
+    """``load`` run by a process of its own (``--load``), its results read back."""
+    spec = json.dumps({"urls": urls, "requests": requests, "seconds": seconds})
+    done = subprocess.run(
+        [sys.executable, __file__, "--load", spec], capture_output=True, text=True, check=True
+    )
+    lat, rps = json.loads(done.stdout.splitlines()[-1])
+    return lat, rps
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if q < 100 else max(values)
 
 
-def measure(name: str, upstream: str, requests: int, seconds: float, log_dir: Path) -> None:
+def measure(
+    name: str, upstream: str, requests: int, seconds: float, log_dir: Path, in_process: bool
+) -> None:
     gateway = start_gateway(upstream)
     router = SGLangRouter(
         worker_urls=[upstream], log_path=log_dir / f"router-{name}.log", policy="round_robin"
@@ -138,7 +181,8 @@ def measure(name: str, upstream: str, requests: int, seconds: float, log_dir: Pa
         "sglang-router": router.url + "/generate",
     }
     try:
-        lat, rps = latencies(paths, requests), throughputs(paths, seconds)
+        measured = load if in_process else load_elsewhere
+        lat, rps = measured(paths, requests, seconds)
         rows = {
             way: (percentile(lat[way], 50), percentile(lat[way], 99), rps[way]) for way in paths
         }
@@ -164,13 +208,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--in-process", action="store_true", help="upstream and load in here")
+    parser.add_argument("--echo", type=int, help=argparse.SUPPRESS)  # a child: echo server
+    parser.add_argument("--load", help=argparse.SUPPRESS)  # a child: load generator
     args = parser.parse_args()
+    if args.echo:
+        return serve_echo(args.echo)
+    if args.load:
+        spec = json.loads(args.load)
+        return print(json.dumps(load(spec["urls"], spec["requests"], spec["seconds"])))
+    print(
+        "layout:",
+        "in process" if args.in_process else "upstream and load in processes of their own",
+    )
     with tempfile.TemporaryDirectory() as logs:
-        echo, echo_url = start_echo()
-        try:
-            measure("echo", echo_url, args.requests, args.seconds, Path(logs))
-        finally:
-            echo.should_exit = True
+        run_echo(args, Path(logs))
         engine = SGLangServer(
             model_path=ensure_model("builtin:tiny-llama"),
             device="cpu",
@@ -179,9 +231,27 @@ def main() -> None:
         )
         engine.start(300)
         try:
-            measure("engine", engine.url, args.requests // 3, args.seconds, Path(logs))
+            measure(
+                "engine", engine.url, args.requests // 3, args.seconds, Path(logs), args.in_process
+            )
         finally:
             engine.stop()
+
+
+def run_echo(args: argparse.Namespace, logs: Path) -> None:
+    if args.in_process:
+        echo, url = start_echo()
+        try:
+            measure("echo", url, args.requests, args.seconds, logs, True)
+        finally:
+            echo.should_exit = True
+        return
+    process, url = start_echo_process()
+    try:
+        measure("echo", url, args.requests, args.seconds, logs, False)
+    finally:
+        process.kill()
+        process.wait(10)
 
 
 if __name__ == "__main__":
