@@ -60,6 +60,12 @@ class Prepared:
     headers: dict[str, str]
     model_id: str = "-"  # the model it was routed to ("-" when sent through the gateway)
 
+    async def post(self, session: aiohttp.ClientSession, timeout_s: float) -> http.Reply:
+        """POST it once, its whole reply read (a generation is never sent twice)."""
+        return await http.fetch(
+            session, "POST", self.url, body=self.body, headers=self.headers, timeout_s=timeout_s
+        )
+
 
 def engine_request(target: RouteTarget, path: str, payload: dict[str, Any]) -> Prepared:
     """``payload`` for ``path`` shaped as the gateway forwards it to ``target``: routing fields
@@ -181,14 +187,7 @@ class AsyncInferenceClient:
         for attempt in (0, 1):
             prepared = await self._prepare(path, payload, affinity_key)
             try:
-                reply = await http.fetch(
-                    self.session,
-                    "POST",
-                    prepared.url,
-                    body=prepared.body,
-                    headers=prepared.headers,
-                    timeout_s=self.timeout_s,
-                )
+                reply = await prepared.post(self.session, self.timeout_s)
             except http.TransportError:
                 self.planner.invalidate()
                 raise

@@ -159,14 +159,7 @@ class EngineClient:
     async def _post(self, prepared: Prepared) -> http.Reply:
         """One POST, never replayed; the gateway's 504 and 502 for a stalled or lost engine."""
         try:
-            reply = await http.fetch(
-                self.session,
-                "POST",
-                prepared.url,
-                body=prepared.body,
-                headers=prepared.headers,
-                timeout_s=self.timeout_s,
-            )
+            reply = await prepared.post(self.session, self.timeout_s)
         except TimeoutError:
             raise InferenceError(
                 504, f"upstream {prepared.url} did not answer within {self.timeout_s:.0f} s"

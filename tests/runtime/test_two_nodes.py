@@ -119,19 +119,14 @@ def test_two_nodes_each_in_its_own_network_namespace(tmp_path):
         trains_and_syncs_for_three_steps(job, engine_host=network.nodes[1].address)
 
 
-@needs_netns
-def test_an_engine_spanning_two_nodes_serves_and_takes_weight_syncs(tmp_path):
-    """One rollout engine, TP 2, over nodes 1 and 2 (one SGLang process each, meeting at the
-    address its head published): it generates every step from the weights synced to both."""
-    with netns.NodeNetwork(3) as network:
-        job = TwoNodeJob(tmp_path, network.nodes, config=SPANNING)
-        codes = job.finish()
-        assert codes == [0, 0, 0], job.consoles()
-        rows = job.metrics()
-        head, follower = (
-            job.run_dir / name for name in ("rollout-engine0.log", "rollout-engine0-node1.log")
-        )
-        head_log, follower_log = head.read_text(), follower.read_text()
+def serves_every_synced_version(job: TwoNodeJob, node1: str) -> None:
+    """The spanning job ran 3 steps; the engine generated from each synced version, its head
+    serving at ``node1`` and its other node process meeting it there as TP rank 1."""
+    codes = job.finish()
+    assert codes == [0, 0, 0], job.consoles()
+    rows = job.metrics()
+    head_log = (job.run_dir / "rollout-engine0.log").read_text()
+    follower_log = (job.run_dir / "rollout-engine0-node1.log").read_text()
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert [row["weight_version"] for row in rows] == [0, 1, 2], rows[-1]
     assert all(row["sync/gb_per_s"] > 0 and row["grad_norm"] > 0 for row in rows), rows
@@ -139,11 +134,23 @@ def test_an_engine_spanning_two_nodes_serves_and_takes_weight_syncs(tmp_path):
     # trainer's: both TP shards, on both nodes, took the new weights (an engine one version
     # behind, as with algorithm.off_policy_steps=1, measures 0.012 to 0.024 on this job)
     assert all(abs(row["mismatch_kl"]) < 1e-4 for row in rows), rows
-    # node 1's process serves at its own address; node 2's meets it there, as TP rank 1
-    node1 = network.nodes[1].address
     assert f"Uvicorn running on http://{node1}:" in head_log
     assert f"'dist_init_addr': '{node1}:" in follower_log and "'node_rank': 1" in follower_log
     assert re.search(r"TP1\]", follower_log) and "TP1" not in head_log, follower_log[-2000:]
+
+
+@needs_netns
+def test_an_engine_spanning_two_nodes_serves_and_takes_weight_syncs(tmp_path):
+    """One rollout engine, TP 2, over nodes 1 and 2 (one SGLang process each, meeting at the
+    address its head published): it generates every step from the weights synced to both."""
+    with netns.NodeNetwork(3) as network:
+        job = TwoNodeJob(tmp_path, network.nodes, config=SPANNING)
+        serves_every_synced_version(job, network.nodes[1].address)
+
+
+@pytest.mark.slow
+def test_an_engine_spanning_two_nodes_on_loopback(tmp_path):
+    serves_every_synced_version(TwoNodeJob(tmp_path, None, config=SPANNING), "127.0.0.1")
 
 
 @needs_netns
