@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 import aiohttp
 import orjson
-from multidict import CIMultiDict
 
 T = TypeVar("T")
 log = logging.getLogger("relax_launch.http")
@@ -53,14 +52,19 @@ class Reply:
         """The parsed body; ``ValueError`` if it is not JSON."""
         return orjson.loads(self.body)
 
+    def raise_for_status(self) -> Reply:
+        """Itself, or ``TransportError`` naming an error status (e.g. a router's 503 while it
+        has no healthy worker)."""
+        if not self.ok:
+            raise TransportError(f"HTTP {self.status}: {self.text[:200]}")
+        return self
+
 
 def session(*, limit: int = 100, keepalive_s: float = 15.0) -> aiohttp.ClientSession:
     """A pooled session for the running loop: replies are read as sent (no decompression), no
     proxy from the environment (engines are reached directly), deadlines per request."""
     connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=keepalive_s)
-    return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
-    )
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=timeout(None))
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,7 +90,7 @@ async def fetch(
         body = orjson.dumps(json)
         sent.setdefault("content-type", "application/json")
     async with http.request(method, url, data=body, headers=sent, timeout=timeout(timeout_s)) as r:
-        return Reply(r.status, CIMultiDict(r.headers), await r.read())
+        return Reply(r.status, r.headers, await r.read())  # parsed headers outlive the reply
 
 
 def call(method: str, url: str, *, json: Any = None, timeout_s: float) -> Reply:
@@ -128,6 +132,10 @@ class LoopThread:
             future.cancel()
             raise TimeoutError(f"{what}: no answer within {timeout_s:.0f} s") from None
 
+    def session(self, **kwargs: Any) -> aiohttp.ClientSession:
+        """A ``session(**kwargs)`` opened on this loop, for coroutines run on it."""
+        return self.run(_open(**kwargs), 10.0, f"{self.thread.name}: opening a session")
+
     def close(self, timeout_s: float = 10.0, then: Coroutine[Any, Any, Any] | None = None) -> None:
         """Cancel what still runs, await ``then`` (a session's close), stop the loop and join
         its thread, each bounded."""
@@ -148,6 +156,10 @@ class LoopThread:
             log.warning("%s did not stop within %.0f s", self.thread.name, timeout_s)
         else:
             self.loop.close()
+
+
+async def _open(**kwargs: Any) -> aiohttp.ClientSession:
+    return session(**kwargs)
 
 
 async def _cancel_others(then: Coroutine[Any, Any, Any] | None) -> None:

@@ -242,7 +242,8 @@ class InferenceClient:
             snapshot_provider=snapshot_provider,
         )
         self.runner = http.LoopThread(f"relax-{role}-client")
-        self.wait_s = timeout_s * 2 + RETRY_AFTER_S + WAIT_MARGIN_S  # discovery, then the request
+        # two attempts (a refusal is tried once more), each a discovery and a request
+        self.wait_s = 2 * (2 * timeout_s) + RETRY_AFTER_S + WAIT_MARGIN_S
 
     def _run(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         return self.runner.run(coro, self.wait_s, f"{self.client.planner.role} {what}")

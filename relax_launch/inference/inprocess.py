@@ -278,7 +278,8 @@ class EngineClients:
     def start(self) -> None:
         """Start the loop and open the session every role's client shares."""
         self.runner = http.LoopThread("relax-engine-clients")
-        self.session = self.runner.run(_open_session(), WAIT_MARGIN_S, "opening the session")
+        # SGLang's HTTP server drops a connection idle for 5 s: reuse one only well before that
+        self.session = self.runner.session(limit=MAX_CONNECTIONS, keepalive_s=KEEPALIVE_S)
         for client in self.clients.values():
             client.session = self.session
 
@@ -328,8 +329,3 @@ class EngineClients:
             return
         session = self.session
         self.runner.close(timeout_s, then=session.close() if session is not None else None)
-
-
-async def _open_session() -> aiohttp.ClientSession:
-    # SGLang's HTTP server drops a connection idle for 5 s: reuse one only well before that
-    return http.session(limit=MAX_CONNECTIONS, keepalive_s=KEEPALIVE_S)

@@ -43,9 +43,9 @@ class OwnedProcess:
     def probe(self, timeout_s: float) -> None:
         """Raises until the server generates a token (the router answers 503 while it has no
         healthy worker)."""
-        reply = http.call("POST", self.url + "/generate", json=PROBE, timeout_s=timeout_s)
-        if not reply.ok:
-            raise http.TransportError(f"HTTP {reply.status}: {reply.text[:200]}")
+        http.call(
+            "POST", self.url + "/generate", json=PROBE, timeout_s=timeout_s
+        ).raise_for_status()
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         return base

@@ -66,7 +66,7 @@ class SGLangServer(OwnedProcess):
                 "node_rank": node_rank,
                 "dist_init_addr": dist_init_addr,
             }
-        self.node_rank = node_rank
+        self.nnodes, self.node_rank = nnodes, node_rank
         self.engine = dict(engine or {})
         super().__init__(
             host=host,
@@ -93,11 +93,9 @@ class SGLangServer(OwnedProcess):
 
     def probe(self, timeout_s: float) -> None:
         if self.node_rank == 0:
-            return super().probe(timeout_s)
-        reply = http.call("GET", self.url + "/health", timeout_s=timeout_s)
-        if not reply.ok:
-            raise http.TransportError(f"HTTP {reply.status}: {reply.text[:200]}")
-        return None
+            super().probe(timeout_s)
+        else:  # a follower node's process serves /health only, once its TP workers joined
+            http.call("GET", self.url + "/health", timeout_s=timeout_s).raise_for_status()
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         # Logprobs of the model itself, not of the temperature-scaled sampling distribution: the
@@ -108,7 +106,7 @@ class SGLangServer(OwnedProcess):
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
             **self.extra_env,
         }
-        if self.parallel.get("nnodes", 1) > 1:
+        if self.nnodes > 1:
             # where this node's TP workers are reached by the other nodes' (SGLang's message
             # queues otherwise guess it from the hostname or a route to a public DNS server)
             env["SGLANG_HOST_IP"] = self.host

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_launch import http
+
+if TYPE_CHECKING:
+    import aiohttp
 
 # a blocking call waits this much longer than its request's own deadline before giving up
 LOOP_MARGIN_S = 5.0
@@ -31,7 +34,7 @@ class EngineControl:
 
     def __init__(self) -> None:
         self.loop = http.LoopThread("engine-control")
-        self.session = self.loop.run(_open_session(), LOOP_MARGIN_S, "opening engine connections")
+        self.session = self.loop.session(limit=64)
 
     def post(self, url: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
         """POST JSON and return the parsed reply; raise EngineRequestError on any failure."""
@@ -49,11 +52,9 @@ class EngineControl:
             self.loop.close()
 
 
-async def _open_session() -> Any:
-    return http.session(limit=64)
-
-
-async def _post(session: Any, where: str, body: dict[str, Any], timeout_s: float) -> Any:
+async def _post(
+    session: aiohttp.ClientSession, where: str, body: dict[str, Any], timeout_s: float
+) -> Any:
     try:
         reply = await http.fetch(session, "POST", where, json=body, timeout_s=timeout_s)
     except (http.TransportError, TimeoutError) as exc:
