@@ -1,11 +1,15 @@
 """SGLangRouter: an sglang-router process in front of the rollout engines (route mode ROUTER).
 
-Rank 0 starts it once the engines are up and stops it by PID with the job; it is ready once it
-answers a real generation through one of its workers. It routes by ``gateway.routing_policy``:
-``round_robin`` with the router's own ``round_robin``; ``affinity`` with its ``manual`` policy,
-which pins each ``x-smg-routing-key`` to one worker (a new key goes to the worker holding the
-fewest keys) until the key idles for the router's ``max_idle_secs`` (4 h) or its worker fails
-the router's health checks. The gateway sends the key to the router only under ``affinity``.
+Rank 0 starts it once the engines are up and stops it by PID with the job. It routes by
+``gateway.routing_policy``: ``round_robin`` with the router's own ``round_robin``; ``affinity``
+with its ``manual`` policy, which pins each ``x-smg-routing-key`` to one worker (a new key goes to
+the worker with the fewest keys in flight, ties at random) until the key idles for the router's
+``max_idle_secs`` (4 h) or its worker fails the router's health checks. The gateway sends the key
+to the router only under ``affinity``.
+
+The router answers generations as soon as one worker has registered, and a key pinned then stays
+on that worker for hours: it is ready only once it lists every worker as healthy and answers a
+real generation.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from relax_launch import http
 from relax_launch.inference.config import RoutingPolicy
 from relax_launch.inference.process import OwnedProcess
 from relax_launch.inference.server import free_port
@@ -41,6 +46,15 @@ class SGLangRouter(OwnedProcess):
             log_path=log_path,
             what=f"sglang-router ({policy}) for {len(worker_urls)} engines",
         )
+
+    def probe(self, timeout_s: float) -> None:
+        """Raises until the router lists every worker as healthy and generates a token."""
+        listed = http.call("GET", self.url + "/workers", timeout_s=timeout_s)
+        healthy = {w["url"] for w in listed.raise_for_status().json()["workers"] if w["is_healthy"]}
+        missing = set(self.worker_urls) - healthy
+        if missing:
+            raise http.TransportError(f"workers not yet registered and healthy: {sorted(missing)}")
+        super().probe(timeout_s)
 
     def command(self) -> list[str]:
         return [

@@ -20,7 +20,7 @@ SSE_CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\n', b"\n", b"data
 class FakeUpstream:
     """``mode``: ok | slow | fail_after_first | hang_after_first | error_400."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.mode = "ok"
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0
@@ -29,7 +29,7 @@ class FakeUpstream:
             uvicorn.Config(
                 self.app,
                 host="127.0.0.1",
-                port=0,
+                port=port,
                 log_level="error",
                 lifespan="off",
                 interface="asgi3",
