@@ -36,9 +36,10 @@ from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.gateway import InferenceGateway
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.process import free_port
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.serve import GatewayServer
-from relax_launch.inference.server import SGLangServer, free_port
+from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 
 BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from relax_launch import platform
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.placement.plan import TrainerLayout
 from relax_launch.runtime.control import ControlChannel, Shutdown
 from relax_launch.runtime.distributed import ShardChannel, init_distributed

@@ -72,7 +72,7 @@ def rank_main() -> None:
 
 
 def main() -> int:
-    from relax_launch.inference.server import free_port
+    from relax_launch.inference.process import free_port
 
     torchrun = Path(sys.executable).with_name("torchrun")
     repo = str(Path(__file__).resolve().parents[1])

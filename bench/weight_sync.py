@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from relax_launch.inference.server import SGLangServer, free_port
+from relax_launch.inference.process import free_port
+from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.engine_client import post, result

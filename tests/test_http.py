@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from relax_launch import http
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.weights.engine_client import (
     EngineControl,
     EngineRequestError,

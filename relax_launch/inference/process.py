@@ -3,21 +3,62 @@
 It runs in its own session (process group = its PID) so that stopping it also stops whatever
 it spawns (SGLang's scheduler and detokenizer): SIGKILL to the group, then wait until it is
 gone. It is killed if the rank that started it dies, and never sees torchrun's environment.
+
+Ports: ``free_port`` picks one below the kernel's ephemeral range, and a server counts as up
+only while its own process tree listens on its port, so that a probe is never answered by
+whoever else bound it. A server that lost a port it was given by ``free_port`` to another
+process before binding it starts again once on a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from relax_launch import http
 
+log = logging.getLogger("relax_launch.process")
+
 PROBE = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+LOWEST_PORT = 20000
+_pick = random.SystemRandom()  # never the same sequence in ranks seeded alike
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` a moment ago, below the kernel's ephemeral range: the kernel
+    hands ports of that range to every outgoing connection, and one probed there was taken by
+    one before the server could bind it (an engine lost its port 10 s after the probe)."""
+    low = ephemeral_ports()[0]
+    for _ in range(200 if low > LOWEST_PORT + 1000 else 0):
+        port = _pick.randrange(LOWEST_PORT, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the range: the kernel's pick
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; its default elsewhere)."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 class ProcessStartError(RuntimeError):
@@ -26,12 +67,15 @@ class ProcessStartError(RuntimeError):
 
 class OwnedProcess:
     """A generation server on ``host:port``: subclasses give ``command()``; it is ready once it
-    has generated one real token."""
+    listens on its port and has generated one real token. ``port=None``: one from
+    ``free_port``."""
 
-    def __init__(self, *, host: str, port: int, log_path: str | Path, what: str) -> None:
-        self.host, self.port = host, port
+    def __init__(self, *, host: str, port: int | None, log_path: str | Path, what: str) -> None:
+        self.host, self.port, self.port_chosen = host, port or free_port(host), port is None
         self.log_path, self.what = Path(log_path), what
         self.process: subprocess.Popen[bytes] | None = None
+        self.served = False  # ready once: others know its URL, so it keeps its port
+        self._log_start = 0
 
     @property
     def url(self) -> str:
@@ -39,6 +83,10 @@ class OwnedProcess:
 
     def command(self) -> list[str]:
         raise NotImplementedError
+
+    def choose_ports(self) -> None:
+        """New ports, after another process took one (subclasses with more ports re-pick all)."""
+        self.port = free_port(self.host)
 
     def probe(self, timeout_s: float) -> None:
         """Raises until the server generates a token (the router answers 503 while it has no
@@ -63,10 +111,11 @@ class OwnedProcess:
         """Start the process without waiting for it (``wait_ready`` does), so that several
         servers, or a server and the trainer's build, start at once."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log_file:
+            self._log_start = log_file.tell()
             self.process = subprocess.Popen(
                 self.command(),
-                stdout=log,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.env(_without_torchrun_env(os.environ)),
                 start_new_session=True,
@@ -80,23 +129,64 @@ class OwnedProcess:
         except BaseException:
             self.stop()
             raise
+        self.served = True
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline, moved = time.monotonic() + timeout_s, False
         while time.monotonic() < deadline:
+            listening = self._listening()
+            if not listening and self._port_taken():
+                if moved or self.served or not self.port_chosen:
+                    raise ProcessStartError(
+                        f"{self.what}: port {self.port} on {self.host} is taken by another "
+                        f"process; free it or give another port:\n{self.log_tail()}"
+                    )
+                log.warning("%s lost port %d to another process; new port", self.what, self.port)
+                self.stop()
+                self.choose_ports()
+                self.launch()
+                moved = True
+                continue
             if self.process.poll() is not None:
                 raise ProcessStartError(
                     f"{self.what} exited with code {self.process.returncode} while starting:\n"
                     f"{self.log_tail()}"
                 )
             try:
-                self.probe(timeout_s=5)
-                return
+                if listening:
+                    self.probe(timeout_s=5)
+                    return
             except (http.TransportError, TimeoutError, OSError):
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         raise ProcessStartError(
             f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s:\n{self.log_tail()}"
         )
+
+    def _listening(self) -> bool:
+        """Whether this process, or one it started, listens on ``port``."""
+        try:
+            root = psutil.Process(self.process.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for process in tree:
+            try:
+                sockets = process.net_connections(kind="tcp")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if any(s.status == psutil.CONN_LISTEN and s.laddr.port == self.port for s in sockets):
+                return True
+        return False
+
+    def _port_taken(self) -> bool:
+        """Whether the server's log since its launch says its port was in use."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(self._log_start)
+                return b"address already in use" in log_file.read().lower()
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_path.is_file():

@@ -19,8 +19,7 @@ from pathlib import Path
 
 from relax_launch import http
 from relax_launch.inference.config import RoutingPolicy
-from relax_launch.inference.process import OwnedProcess
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import OwnedProcess, free_port
 
 ROUTER_POLICY_ARGS: dict[str, tuple[str, ...]] = {
     "round_robin": ("--policy", "round_robin"),
@@ -42,10 +41,14 @@ class SGLangRouter(OwnedProcess):
         self.prometheus_port = free_port(host)
         super().__init__(
             host=host,
-            port=free_port(host),
+            port=None,
             log_path=log_path,
             what=f"sglang-router ({policy}) for {len(worker_urls)} engines",
         )
+
+    def choose_ports(self) -> None:
+        super().choose_ports()
+        self.prometheus_port = free_port(self.host)
 
     def probe(self, timeout_s: float) -> None:
         """Raises until the router lists every worker as healthy and generates a token."""

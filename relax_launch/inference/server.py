@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,13 +11,6 @@ from relax_launch import http, platform
 from relax_launch.inference.process import OwnedProcess
 
 RECEIVER_PLUGIN = "relax_launch_weights"  # setup.py's sglang.srt.plugins entry point
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def engine_cli_args(engine: dict[str, Any]) -> list[str]:
@@ -70,7 +62,7 @@ class SGLangServer(OwnedProcess):
         self.engine = dict(engine or {})
         super().__init__(
             host=host,
-            port=port or free_port(host),
+            port=port,
             log_path=log_path,
             what=f"SGLang server for {self.model_path}",
         )

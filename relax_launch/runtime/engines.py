@@ -17,7 +17,7 @@ from typing import Any
 
 from relax_launch import platform
 from relax_launch.config.job import JobConfig
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.runtime.network import node_address

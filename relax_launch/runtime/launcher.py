@@ -16,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from relax_launch.inference.process import die_with_parent, group_alive
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import die_with_parent, free_port, group_alive
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import rank_log_path

@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 
 from relax_launch import platform
 from relax_launch.inference.config import InferenceRoleConfig
-from relax_launch.inference.server import SGLangServer, free_port
+from relax_launch.inference.process import free_port
+from relax_launch.inference.server import SGLangServer
 from relax_launch.placement.plan import EnginePlan
 from relax_launch.runtime.control import Command, Handler
 from relax_launch.runtime.distributed import ShardChannel

@@ -37,10 +37,11 @@ def test_openai_client_chat_and_streaming_chat(rollout):
     client = openai.OpenAI(base_url=f"{url}/rollout/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["m"]
     messages = [{"role": "user", "content": "Say hi"}]
-    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    fixed = {"max_tokens": 5, "extra_body": {"ignore_eos": True}}  # 5 tokens, whatever is drawn
+    reply = client.chat.completions.create(model="m", messages=messages, **fixed)
     assert reply.choices[0].message.content and reply.usage.completion_tokens == 5
     chunks = list(
-        client.chat.completions.create(model="m", messages=messages, max_tokens=5, stream=True)
+        client.chat.completions.create(model="m", messages=messages, stream=True, **fixed)
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) >= 5 and streamed
@@ -121,6 +122,14 @@ def test_drain_closes_admission_until_onload(rollout):
     assert httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=60).status_code == 200
 
 
+def late_offload_done(manager, timeout_s: float) -> None:
+    """Wait until the engine has answered the offload that the coordinator gave up on."""
+    deadline = time.monotonic() + timeout_s
+    while ("release_memory_occupation", "ok") not in [h[:2] for h in manager.engines[0].history]:
+        assert time.monotonic() < deadline, f"no late offload: {list(manager.engines[0].history)}"
+        time.sleep(0.1)
+
+
 def test_engine_offload_timeout_keeps_the_lease_blocked_until_a_confirmed_cleanup(tiny_server):
     """Fault injection on a real engine: frozen (SIGSTOP) during an offload, the coordinator's
     lease stays BLOCKED even after the late call succeeds; a retry after recovery releases it."""
@@ -145,10 +154,11 @@ def test_engine_offload_timeout_keeps_the_lease_blocked_until_a_confirmed_cleanu
     finally:
         for process in frozen:
             process.resume()
+    coordinator.operation_timeout_s = 60  # the recovery calls below get a loaded machine's time
     try:
         with pytest.raises(BatchFailed, match=r"teacher \(rank 0\)"):
             coordinator.wait_committed(0, 1)
-        time.sleep(3)  # the late offload completes ...
+        late_offload_done(manager, 60)  # the late offload completes ...
         assert coordinator.state()["teacher"]["lease"] == "blocked"  # ... and releases nothing
         with pytest.raises(LeaseError, match="BLOCKED"):
             coordinator.begin_batch(1)

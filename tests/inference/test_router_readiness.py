@@ -1,9 +1,9 @@
 """A real sglang-router is ready only once every worker is registered and healthy.
 
 The router answers generations as soon as one worker has registered; under ``affinity`` the
-keys it pins then stay on that worker for hours. Here the second worker comes up late, and once
-both are in, keys sent together spread evenly (scripted upstreams stand in for engines: what is
-under test is the router's readiness and key placement, not generation).
+keys it pins then stay on that worker for hours. Here the second worker comes up late; once both
+are in, new keys sent while the earlier ones are in flight spread evenly. Scripted upstreams
+stand in for engines: what is under test is the router's readiness and key placement.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import httpx
 from fake_upstream import FakeUpstream
 
 from relax_launch import http
+from relax_launch.inference.process import LOWEST_PORT, ephemeral_ports, free_port
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.routing import ROUTING_KEY_HEADER
-from relax_launch.inference.server import free_port
 
 
 def registered(router: SGLangRouter) -> set[str]:
@@ -26,6 +26,10 @@ def registered(router: SGLangRouter) -> set[str]:
     except (http.TransportError, TimeoutError):
         return set()
     return {worker["url"] for worker in listed.json()["workers"]}
+
+
+def generations(*workers: FakeUpstream) -> list[int]:
+    return [sum(r["path"] == "/generate" for r in w.requests) for w in workers]
 
 
 def keyed(url: str, key: str) -> httpx.Response:
@@ -54,14 +58,42 @@ def test_router_waits_for_a_late_worker_then_spreads_keys_over_both(tmp_path):
             late = FakeUpstream(port=late_port).start()
             ready.result(timeout=90)
         for worker in (early, late):
-            worker.reset("slow")  # each request stays in flight while the next key arrives
+            worker.reset("slow")  # each request stays in flight (5 s) while the next key arrives
         with ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(keyed, [router.url] * 8, [f"k{i}" for i in range(8)]))
-        assert all(reply.status_code == 200 for reply in replies)
-        served = [sum(r["path"] == "/generate" for r in w.requests) for w in (early, late)]
-        assert served == [4, 4]  # each new key went to the worker with fewer keys in flight
+            replies = []
+            for i in range(8):  # one new key at a time, the earlier ones still in flight
+                replies.append(pool.submit(keyed, router.url, f"k{i}"))
+                while sum(generations(early, late)) <= i:
+                    assert time.monotonic() < deadline + 60, generations(early, late)
+                    time.sleep(0.02)
+            assert all(reply.result().status_code == 200 for reply in replies)
+        assert generations(early, late) == [4, 4]  # each went to the worker with fewer in flight
     finally:
         router.stop()
         early.stop()
         if late:
             late.stop()
+
+
+def test_a_server_whose_port_was_taken_moves_to_a_new_one(tmp_path):
+    """Another server took the chosen port before the router bound it, and answers /generate
+    there itself: the router is not ready until its own process listens, on a new port."""
+    worker = FakeUpstream().start()
+    router = SGLangRouter(worker_urls=[worker.url], log_path=tmp_path / "r.log", policy="affinity")
+    taken = router.port
+    squatter = FakeUpstream(port=taken).start()  # a 200 for any request, as a stale probe wants
+    try:
+        router.start(90)
+        assert router.port != taken and router._listening()
+        assert "address already in use" in (tmp_path / "r.log").read_text().lower()
+        assert not [r for r in squatter.requests if r["path"] == "/generate"]
+        assert keyed(router.url, "k").status_code == 200
+    finally:
+        router.stop()
+        squatter.stop()
+        worker.stop()
+
+
+def test_free_ports_come_from_below_the_kernels_ephemeral_range():
+    low, _ = ephemeral_ports()
+    assert all(LOWEST_PORT <= free_port() < low for _ in range(20))

@@ -24,6 +24,11 @@ from relax_launch.inference.routing import ROUTING_KEY_HEADER
 
 pytestmark = pytest.mark.e2e
 GEN = {"text": "The weather today", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+# long enough that the first requests of new keys are still in flight when the next arrive
+LONG_GEN = {
+    "text": "The weather today",
+    "sampling_params": {"max_new_tokens": 32, "ignore_eos": True},
+}
 KEYS = [f"session-{i}" for i in range(8)]
 
 
@@ -51,10 +56,10 @@ def rollout_gateway(pair: dict[str, str], mode: str, policy: str, log_dir: Path)
         router.stop()
 
 
-def served_by(url: str, key: str) -> str:
+def served_by(url: str, key: str, body: dict = GEN) -> str:
     """The label of the engine that answered a generation sent with routing key ``key``."""
     reply = httpx.post(
-        f"{url}/rollout/generate", json=GEN, headers={ROUTING_KEY_HEADER: key}, timeout=60
+        f"{url}/rollout/generate", json=body, headers={ROUTING_KEY_HEADER: key}, timeout=60
     )
     assert reply.status_code == 200, reply.text
     return reply.json()["meta_info"]["weight_version"]
@@ -76,7 +81,7 @@ def test_affinity_sends_each_key_to_one_engine(engine_pair, mode, tmp_path):
         keyless = httpx.post(f"{url}/rollout/generate", json=GEN, timeout=60)
         pinned = [served_by(url, "one-session") for _ in range(4)]
         with ThreadPoolExecutor(len(KEYS)) as pool:  # new keys in flight together (below)
-            first = list(pool.map(served_by, [url] * len(KEYS), KEYS))
+            first = list(pool.map(served_by, [url] * len(KEYS), KEYS, [LONG_GEN] * len(KEYS)))
         again = [served_by(url, key) for key in KEYS]
         client = InferenceClient(url, "rollout", direct=True)
         try:

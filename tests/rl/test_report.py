@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,7 @@ def test_wandb_offline_run_holds_the_history_and_a_resume_rewinds_it(tmp_path, m
     for row in rows(range(1, 4), 0.0):
         first.write(row)
     first.sinks[0].close()
+    time.sleep(1)  # wandb names a run's folder by its start, to the second: two folders
     run_id = (tmp_path / WANDB_RUN_ID).read_text()
     resumed = MetricsLog(tmp_path, 2, sinks=metric_sinks(settings, tmp_path, 2, "tiny-job", config))
     for row in rows(range(3, 5), 1.0):

@@ -19,7 +19,7 @@ from relax_launch.rl.loop import RLContext, RolloutBatch, run
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.samples import Sample
 
-PHASE_S = 0.15
+PHASE_S = 0.5  # room for the next rollout to start while a step trains, on a loaded machine
 
 
 class RecordingSession:

@@ -12,7 +12,6 @@ from typing import ClassVar
 import pytest
 import torch.distributed as dist
 
-from relax_launch.inference.server import free_port
 from relax_launch.runtime.control import (
     Command,
     ControlChannel,
@@ -42,11 +41,12 @@ class Work(Command):
 
 @pytest.fixture
 def stores():
-    port = free_port()
-    master = dist.TCPStore(
-        "127.0.0.1", port, 3, True, timedelta(seconds=10), wait_for_workers=False
+    master = dist.TCPStore(  # port 0: the store binds a free port itself, no probe-then-bind race
+        "127.0.0.1", 0, 3, True, timedelta(seconds=10), wait_for_workers=False
     )
-    clients = [dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=10)) for _ in (1, 2)]
+    clients = [
+        dist.TCPStore("127.0.0.1", master.port, 3, False, timedelta(seconds=10)) for _ in (1, 2)
+    ]
     return [master, *clients]
 
 

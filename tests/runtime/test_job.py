@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from relax_launch.config import load_config
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.placement import plan
 from relax_launch.runtime.launcher import explain_failure, torchrun_command
 

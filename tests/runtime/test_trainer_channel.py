@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.placement.plan import TrainerLayout
 from relax_launch.trainer.batch import TokenBatch
 

@@ -26,7 +26,7 @@ from harness import netns
 from harness.processes import TEST_TAG, processes_tagged
 
 from relax_launch.config import load_config
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.placement import plan
 from relax_launch.runtime.launcher import ENTRY_MODULE, torchrun_command
 

@@ -24,6 +24,8 @@ from types import TracebackType
 
 import psutil
 
+from relax_launch.inference.process import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = REPO / "scripts/install_slurm.sh"
 SBIN_PATH = "/usr/sbin:/sbin"
@@ -72,15 +74,11 @@ def ensure_installed() -> None:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports that were free a moment ago (held together while chosen)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` distinct TCP ports that were free a moment ago."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
 
 
 def alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 
 
 def run_worker(worker: Path, ranks: int, args: list[str], env: dict[str, str]) -> list[dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from relax_launch.inference.server import free_port
+from relax_launch.inference.process import free_port
 from relax_launch.weights.receiver import IN_PLACE, receive
 from relax_launch.weights.sync import custom_group
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relax_launch.inference.server import SGLangServer, free_port
+from relax_launch.inference.process import free_port
+from relax_launch.inference.server import SGLangServer
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.engine_client import EngineRequestError, get_json, post
 from relax_launch.weights.shared_memory import SHM_DIR, SharedMemorySender
@@ -193,7 +194,8 @@ def test_an_engine_dying_mid_sync_fails_it_at_once_and_frees_the_others(
             f"\nsync failed {failed_after_s:.1f} s after the engine died; the survivor took the "
             f"next version in a new group {recovered_after_s:.1f} s after it"
         )
-        assert failed_after_s < 10 and recovered_after_s < 20  # left waiting, it takes minutes
+        # left waiting, it takes the sync timeout (120 s); the bounds leave a loaded machine room
+        assert failed_after_s < 60 and recovered_after_s < 90
         assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == "6"
     finally:
         victim.stop()
