@@ -6,12 +6,15 @@ relax-launch's gateway (uvicorn thread of this process, as on rank 0) and throug
   echo    a minimal HTTP server answering a fixed JSON body (isolates the proxy's own cost)
   engine  a real SGLang CPU engine serving the tiny Llama, one new token per request
 The upstreams and the load generator are processes of their own, as engines and clients are
-for a job: nothing else shares the gateway's interpreter (``--in-process`` puts the echo
-server and the load generator back in it, as this bench did until 2026-12-05).
-Prints p50/p99 latency of sequential requests (keep-alive), the p50 added over direct, and
-requests/s with 16 concurrent clients. There is no "added p99": a difference of two separately
-measured p99s is not a percentile of anything (it can come out negative).
-Run: ``.venv/bin/python bench/gateway.py [--requests N] [--in-process]``.
+for a job: nothing else shares the gateway's interpreter.
+Prints p50/p99 latency of sequential requests (keep-alive) and the p50 added over direct; then,
+with 16 concurrent clients in ``ROUNDS`` turns per path, requests/s and the CPU each process
+spent per request (the proxy's, and the upstream's: on a machine the engine saturates, the
+proxy's CPU is taken from the engine). The throughput ratio is the median of the per-turn
+ratios, with their range: single turns on a shared machine vary by more than the proxies
+differ. There is no "added p99": a difference of two separately measured p99s is not a
+percentile of anything (it can come out negative).
+Run: ``.venv/bin/python bench/gateway.py [--requests N] [--seconds S]``.
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 import uvicorn
 
 from relax_launch.inference.config import GatewayConfig
@@ -44,7 +48,7 @@ from relax_launch.models.build import ensure_model
 
 BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 CONCURRENCY = 16
-ROUNDS = 5  # turns per path of the throughput measurement
+ROUNDS = 8  # turns per path of the throughput measurement
 ECHO_REPLY = b'{"text": "x", "meta_info": {"completion_tokens": 1}}'
 # gateway req/s over sglang-router's; over echo, also the gateway's added p50 <= 0.5 ms
 TARGETS = {"echo": ">= 0.40", "engine": ">= 1.0"}
@@ -58,15 +62,6 @@ async def echo_app(scope, receive, send):
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": ECHO_REPLY})
-
-
-def start_echo() -> tuple[uvicorn.Server, str]:
-    config = uvicorn.Config(echo_app, host="127.0.0.1", port=0, log_level="error", http="httptools")
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
 
 def serve_echo(port: int) -> None:
@@ -120,7 +115,8 @@ def latencies(urls: dict[str, str], n: int) -> dict[str, list[float]]:
     return out
 
 
-async def _throughput(url: str, seconds: float) -> tuple[int, float]:
+async def concurrent_load(url: str, seconds: float) -> tuple[int, float]:
+    """(requests done, seconds taken) by ``CONCURRENCY`` clients posting for ``seconds``."""
     done = 0
     deadline = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as s:
@@ -138,42 +134,54 @@ async def _throughput(url: str, seconds: float) -> tuple[int, float]:
         return done, time.perf_counter() - started
 
 
-def throughputs(urls: dict[str, str], seconds: float) -> dict[str, float]:
-    """Requests/s of each path over ``seconds``, in ``ROUNDS`` turns (as for ``latencies``)."""
+def in_child(*args: str) -> object:
+    """This script run as a load generator of its own (``--load`` / ``--latency``)."""
+    done = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and every process under it; of this process (the
+    gateway's), only its own: the upstream and the router are its children."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in [root, *(root.children(recursive=True) if pid != os.getpid() else [])]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def throughputs(urls: dict[str, str], seconds: float, pids: dict[str, int]) -> dict:
+    """Per path: requests/s of each turn, and the CPU per request of each process in ``pids``
+    over all turns (``ROUNDS`` turns, the paths in turn, as for ``latencies``)."""
+    rates: dict[str, list[float]] = {way: [] for way in urls}
+    cpu = {way: dict.fromkeys(pids, 0.0) for way in urls}
     done = dict.fromkeys(urls, 0)
-    took = dict.fromkeys(urls, 0.0)
     for _ in range(ROUNDS):
         for way, url in urls.items():
-            n, s = asyncio.run(_throughput(url, seconds / ROUNDS))
-            done[way], took[way] = done[way] + n, took[way] + s
-    return {way: done[way] / took[way] for way in urls}
-
-
-def load(urls: dict[str, str], requests: int, seconds: float) -> tuple[dict, dict]:
-    """Both measurements, from this process: (latencies, requests/s) per path."""
-    return latencies(urls, requests), throughputs(urls, seconds)
-
-
-def load_elsewhere(urls: dict[str, str], requests: int, seconds: float) -> tuple[dict, dict]:
-    """``load`` run by a process of its own (``--load``), its results read back."""
-    spec = json.dumps({"urls": urls, "requests": requests, "seconds": seconds})
-    done = subprocess.run(
-        [sys.executable, __file__, "--load", spec], capture_output=True, text=True, check=True
-    )
-    lat, rps = json.loads(done.stdout.splitlines()[-1])
-    return lat, rps
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            n, took = in_child("--load", url, str(seconds / ROUNDS))
+            for name, pid in pids.items():
+                cpu[way][name] += cpu_seconds(pid) - before[name]
+            rates[way].append(n / took)
+            done[way] += n
+    per_request = {way: {k: v / done[way] for k, v in cpu[way].items()} for way in urls}
+    return {"rates": rates, "cpu_per_request": per_request}
 
 
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if q < 100 else max(values)
 
 
-def measure(
-    name: str, upstream: str, requests: int, seconds: float, log_dir: Path, in_process: bool
-) -> None:
+def measure(name: str, upstream: str, pid: int, requests: int, seconds: float, logs: Path) -> None:
     gateway = start_gateway(upstream)
     router = SGLangRouter(
-        worker_urls=[upstream], log_path=log_dir / f"router-{name}.log", policy="round_robin"
+        worker_urls=[upstream], log_path=logs / f"router-{name}.log", policy="round_robin"
     )
     router.start(120)
     paths = {
@@ -181,49 +189,67 @@ def measure(
         "gateway": gateway.url + "/teacher/generate",
         "sglang-router": router.url + "/generate",
     }
+    pids = {name: pid, "gateway": os.getpid(), "router": router.pid}
     try:
-        measured = load if in_process else load_elsewhere
-        lat, rps = measured(paths, requests, seconds)
-        rows = {
-            way: (percentile(lat[way], 50), percentile(lat[way], 99), rps[way]) for way in paths
-        }
+        lat = in_child("--latency", json.dumps(paths), str(requests))
+        load = throughputs(paths, seconds, pids)
     finally:
         router.stop()
         gateway.stop()
-    base50 = rows["direct"][0]
+    report(name, requests, seconds, lat, load)
+
+
+def report(name: str, requests: int, seconds: float, lat: dict, load: dict) -> None:
+    base50 = percentile(lat["direct"], 50)
     print(
-        f"\nupstream: {name} ({requests} sequential requests, "
-        f"{CONCURRENCY} concurrent for {seconds:.0f} s)"
+        f"\nupstream: {name} ({requests} sequential requests; {CONCURRENCY} concurrent, "
+        f"{ROUNDS} turns of {seconds / ROUNDS:.1f} s per path)"
     )
-    print(f"  {'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'req/s':>8}")
-    for way, (p50, p99, rps) in rows.items():
+    cpu = load["cpu_per_request"]
+    names = list(next(iter(cpu.values())))
+    print(
+        f"  {'path':<14} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'req/s':>7}  CPU µs/request: "
+        + "  ".join(names)
+    )
+    for way, times in lat.items():
+        p50, p99 = percentile(times, 50), percentile(times, 99)
+        rate = statistics.median(load["rates"][way])
+        spent = "  ".join(f"{cpu[way][k] * 1e6:>{len(k)}.0f}" for k in names)
         print(
-            f"  {way:<14} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p50 - base50) * 1e3:8.2f} {rps:8.0f}"
+            f"  {way:<14} {p50 * 1e3:7.2f} {p99 * 1e3:7.2f} {(p50 - base50) * 1e3:7.2f} "
+            f"{rate:7.0f}                  {spent}"
         )
-    ratio = rows["gateway"][2] / rows["sglang-router"][2]
-    print(f"  gateway throughput / sglang-router throughput = {ratio:.2f} (target {TARGETS[name]})")
-    print(f"  gateway added p50 = {(rows['gateway'][0] - base50) * 1e3:.2f} ms")
+    turns = zip(load["rates"]["gateway"], load["rates"]["sglang-router"], strict=True)
+    ratios = [gateway / router for gateway, router in turns]
+    print(
+        f"  gateway req/s ÷ sglang-router req/s, median of {ROUNDS} turns = "
+        f"{statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}; "
+        f"target {TARGETS[name]})"
+    )
+    print(f"  gateway added p50 = {(percentile(lat['gateway'], 50) - base50) * 1e3:.2f} ms")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--in-process", action="store_true", help="upstream and load in here")
+    parser.add_argument("--seconds", type=float, default=8.0, help="per path, echo upstream")
     parser.add_argument("--echo", type=int, help=argparse.SUPPRESS)  # a child: echo server
-    parser.add_argument("--load", help=argparse.SUPPRESS)  # a child: load generator
+    parser.add_argument("--load", nargs=2, help=argparse.SUPPRESS)  # a child: one turn
+    parser.add_argument("--latency", nargs=2, help=argparse.SUPPRESS)  # a child: latencies
     args = parser.parse_args()
     if args.echo:
         return serve_echo(args.echo)
     if args.load:
-        spec = json.loads(args.load)
-        return print(json.dumps(load(spec["urls"], spec["requests"], spec["seconds"])))
-    print(
-        "layout:",
-        "in process" if args.in_process else "upstream and load in processes of their own",
-    )
+        return print(json.dumps(asyncio.run(concurrent_load(args.load[0], float(args.load[1])))))
+    if args.latency:
+        return print(json.dumps(latencies(json.loads(args.latency[0]), int(args.latency[1]))))
     with tempfile.TemporaryDirectory() as logs:
-        run_echo(args, Path(logs))
+        process, url = start_echo_process()
+        try:
+            measure("echo", url, process.pid, args.requests, args.seconds, Path(logs))
+        finally:
+            process.kill()
+            process.wait(10)
         engine = SGLangServer(
             model_path=ensure_model("builtin:tiny-llama"),
             device="cpu",
@@ -231,28 +257,12 @@ def main() -> None:
             engine={"max_total_tokens": 2048},
         )
         engine.start(300)
-        try:
+        try:  # twice the time: the engine's rates vary more than the echo server's
             measure(
-                "engine", engine.url, args.requests // 3, args.seconds, Path(logs), args.in_process
+                "engine", engine.url, engine.pid, args.requests // 3, 2 * args.seconds, Path(logs)
             )
         finally:
             engine.stop()
-
-
-def run_echo(args: argparse.Namespace, logs: Path) -> None:
-    if args.in_process:
-        echo, url = start_echo()
-        try:
-            measure("echo", url, args.requests, args.seconds, logs, True)
-        finally:
-            echo.should_exit = True
-        return
-    process, url = start_echo_process()
-    try:
-        measure("echo", url, args.requests, args.seconds, logs, False)
-    finally:
-        process.kill()
-        process.wait(10)
 
 
 if __name__ == "__main__":
