@@ -164,20 +164,23 @@ class OwnedProcess:
         )
 
     def _listening(self) -> bool:
-        """Whether this process, or one it started, listens on ``port``."""
+        """Whether this process, or one it started, listens on ``port`` (if no process of the
+        tree can be inspected, as under a procfs that hides them, the probe alone decides)."""
         try:
             root = psutil.Process(self.process.pid)
             tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return False
+        inspected = False
         for process in tree:
             try:
                 sockets = process.net_connections(kind="tcp")
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
+            inspected = True
             if any(s.status == psutil.CONN_LISTEN and s.laddr.port == self.port for s in sockets):
                 return True
-        return False
+        return not inspected
 
     def _port_taken(self) -> bool:
         """Whether the server's log since its launch says its port was in use."""

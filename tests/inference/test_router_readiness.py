@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 from fake_upstream import FakeUpstream
 
 from relax_launch import http
@@ -97,3 +98,21 @@ def test_a_server_whose_port_was_taken_moves_to_a_new_one(tmp_path):
 def test_free_ports_come_from_below_the_kernels_ephemeral_range():
     low, _ = ephemeral_ports()
     assert all(LOWEST_PORT <= free_port() < low for _ in range(20))
+
+
+def test_a_tree_that_cannot_be_inspected_leaves_readiness_to_the_probe(tmp_path, monkeypatch):
+    """Where procfs hides the server's sockets (AccessDenied), the listener check must not
+    hold the start until its timeout: the probe alone decides."""
+    worker = FakeUpstream().start()
+    router = SGLangRouter(worker_urls=[worker.url], log_path=tmp_path / "r.log", policy="affinity")
+
+    def denied(self, kind="inet"):
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "net_connections", denied)
+    try:
+        router.start(60)
+        assert keyed(router.url, "k").status_code == 200
+    finally:
+        router.stop()
+        worker.stop()
