@@ -77,7 +77,7 @@ def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
     assert [s["samples_stale"] for s in steps] == [0, 0, 0]
     assert "time/wait" in steps[0] and "time/wait" not in steps[-1]
     # the policy starts as the reference: no KL; after two updates at lr 1e-2 it has moved (the
-    # even-token share of 4 samples x 8 tokens differs within a group, so there is a gradient)
+    # alternating reward gives every group signal, so every step has a gradient)
     assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert steps[-1]["kl_ref"] > 1e-4
     # off-policy turns the token-level correction on: step 1's samples come from the trainer's
