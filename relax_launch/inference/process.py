@@ -55,7 +55,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def ephemeral_ports() -> tuple[int, int]:
     """The kernel's range of ports for outgoing connections (Linux; its default elsewhere)."""
     try:
-        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
     except (OSError, ValueError):
         return 32768, 60999
@@ -132,14 +132,15 @@ class OwnedProcess:
         self.served = True
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline, moved = time.monotonic() + timeout_s, False
+        deadline, moved, why = time.monotonic() + timeout_s, False, "not started"
         while time.monotonic() < deadline:
             listening = self._listening()
             if not listening and self._port_taken():
                 if moved or self.served or not self.port_chosen:
                     raise ProcessStartError(
-                        f"{self.what}: port {self.port} on {self.host} is taken by another "
-                        f"process; free it or give another port:\n{self.log_tail()}"
+                        f"{self.what}: an address it binds, port {self.port} on {self.host} or "
+                        f"one of its own, is taken by another process; free it or give another "
+                        f"port:\n{self.log_tail()}"
                     )
                 log.warning("%s lost port %d to another process; new port", self.what, self.port)
                 self.stop()
@@ -152,15 +153,17 @@ class OwnedProcess:
                     f"{self.what} exited with code {self.process.returncode} while starting:\n"
                     f"{self.log_tail()}"
                 )
+            why = f"nothing of it listens on port {self.port} yet"
             try:
                 if listening:
                     self.probe(timeout_s=5)
                     return
-            except (http.TransportError, TimeoutError, OSError):
-                pass
+            except (http.TransportError, TimeoutError, OSError) as exc:
+                why = f"its last probe: {type(exc).__name__}: {exc}"
             time.sleep(0.5)
         raise ProcessStartError(
-            f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s:\n{self.log_tail()}"
+            f"{self.what} at {self.url} was not ready within {timeout_s:.0f} s ({why}):\n"
+            f"{self.log_tail()}"
         )
 
     def _listening(self) -> bool:

@@ -13,10 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+import pytest
 from fake_upstream import FakeUpstream
 
 from relax_launch import http
-from relax_launch.inference.process import LOWEST_PORT, ephemeral_ports, free_port
+from relax_launch.inference.process import (
+    LOWEST_PORT,
+    ProcessStartError,
+    ephemeral_ports,
+    free_port,
+)
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.routing import ROUTING_KEY_HEADER
 
@@ -74,6 +80,21 @@ def test_router_waits_for_a_late_worker_then_spreads_keys_over_both(tmp_path):
         early.stop()
         if late:
             late.stop()
+
+
+def test_a_router_missing_a_worker_says_which_when_its_start_times_out(tmp_path):
+    worker, absent = FakeUpstream().start(), f"http://127.0.0.1:{free_port()}"
+    router = SGLangRouter(
+        worker_urls=[worker.url, absent], log_path=tmp_path / "r.log", policy="affinity"
+    )
+    try:
+        with pytest.raises(ProcessStartError, match="not yet registered and healthy") as failed:
+            router.start(10)
+        assert absent in str(failed.value) and worker.url not in str(failed.value).split(":\n")[0]
+        assert router.process.poll() is not None  # stopped by its PID on the failure
+    finally:
+        router.stop()
+        worker.stop()
 
 
 def test_a_server_whose_port_was_taken_moves_to_a_new_one(tmp_path):
