@@ -36,9 +36,9 @@ _pick = random.SystemRandom()  # never the same sequence in ranks seeded alike
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` a moment ago, below the kernel's ephemeral range: the kernel
-    hands ports of that range to every outgoing connection, and one probed there was taken by
-    one before the server could bind it (an engine lost its port 10 s after the probe)."""
-    low = ephemeral_ports()[0]
+    hands ports of that range to every port-0 bind and outgoing connection, and a port probed
+    there went to another listener before the server bound it (an engine, 10 s after the probe)."""
+    low = lowest_ephemeral_port()
     for _ in range(200 if low > LOWEST_PORT + 1000 else 0):
         port = _pick.randrange(LOWEST_PORT, low)
         with socket.socket() as sock:
@@ -52,13 +52,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of ports for outgoing connections (Linux; its default elsewhere)."""
+def lowest_ephemeral_port() -> int:
+    """The start of the kernel's range for port-0 binds and outgoing connections (Linux; its
+    default elsewhere)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class ProcessStartError(RuntimeError):

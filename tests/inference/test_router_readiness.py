@@ -20,8 +20,8 @@ from relax_launch import http
 from relax_launch.inference.process import (
     LOWEST_PORT,
     ProcessStartError,
-    ephemeral_ports,
     free_port,
+    lowest_ephemeral_port,
 )
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.routing import ROUTING_KEY_HEADER
@@ -117,7 +117,7 @@ def test_a_server_whose_port_was_taken_moves_to_a_new_one(tmp_path):
 
 
 def test_free_ports_come_from_below_the_kernels_ephemeral_range():
-    low, _ = ephemeral_ports()
+    low = lowest_ephemeral_port()
     assert all(LOWEST_PORT <= free_port() < low for _ in range(20))
 
 
