@@ -113,7 +113,7 @@ def run_command(config_path: str, overrides: tuple[str, ...], resume: bool) -> N
     from relax_launch.runtime.launcher import ENTRY_MODULE, run_local
 
     _announce(job, placement, notes)
-    sys.exit(run_local(ENTRY_MODULE, [config_path, *overrides], placement, job.log_dir))
+    sys.exit(run_local(ENTRY_MODULE, [config_path, *overrides], placement, job))
 
 
 def _announce(job: JobConfig, placement: PlacementPlan, notes: list[str]) -> None:

@@ -39,9 +39,20 @@ def main(argv: list[str]) -> int:
 
     try:
         run_rank(job, placement, rl_program(job, prompts))
-    except JobStopped:
-        return EXIT_STOPPED  # a checkpoint and the command that resumes are on the console
+    except JobStopped:  # a checkpoint and the command that resumes are on the console
+        leave(EXIT_STOPPED)  # not waiting for the threads of the abandoned step
     return 0
+
+
+def leave(code: int) -> None:
+    """Exit now with ``code``, output flushed, without joining threads still busy (a background
+    rollout's user reward function the stop abandoned may run for minutes yet)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

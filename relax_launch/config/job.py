@@ -62,6 +62,14 @@ class JobConfig(Section):
         """The run directory: logging.dir with {name} filled in."""
         return Path(self.logging.dir.format(name=self.name))
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go and where a resume looks: checkpoint.dir with {name} filled in,
+        else ``checkpoints/`` in the run directory (written only when the job is stopped)."""
+        if self.checkpoint.dir is None:
+            return self.log_dir / "checkpoints"
+        return Path(self.checkpoint.dir.format(name=self.name))
+
     def engine_dtype(self, role: str) -> str:
         """The one precision decision for a role's engines: its engine.dtype, else the trainer's
         dtype (so the rollout policy's logprobs match the trainer's)."""

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
+from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
 import aiohttp
@@ -52,6 +53,10 @@ class EngineUnreachable(InferenceError):
     def __init__(self, url: str, message: str) -> None:
         super().__init__(502, message)
         self.url = url
+
+
+class RequestsCancelled(RuntimeError):
+    """``EngineClients.cancel_all`` dropped this wait (the job is stopping)."""
 
 
 class ControllerMetrics:
@@ -257,6 +262,9 @@ class EngineClients:
     ) -> None:
         self.timeout_s, self.metrics = timeout_s, ControllerMetrics(registry)
         self.runner: http.LoopThread | None = None
+        self.cancelled: str | None = None  # why every wait was dropped (cancel_all)
+        self._waits: set[Any] = set()  # the futures run() waits on
+        self._waits_lock = threading.Lock()
         self.session: aiohttp.ClientSession | None = None
         resolver = RouteResolver()  # one set of round-robin cursors for the controller
         self.clients = {
@@ -304,7 +312,12 @@ class EngineClients:
                 "run() was called on their own event loop"
             )
         limit = self.timeout_s + RETRY_AFTER_S + WAIT_MARGIN_S if timeout_s is None else timeout_s
-        future = self.runner.submit(coro)
+        with self._waits_lock:
+            if self.cancelled is not None:
+                coro.close()
+                raise RequestsCancelled(f"{what}: not sent ({self.cancelled})")
+            future = self.runner.submit(coro)
+            self._waits.add(future)
         try:
             return future.result(limit)
         except TimeoutError:
@@ -314,6 +327,20 @@ class EngineClients:
                 f"{self.timeout_s:.0f} s (gateway.request_timeout_s); in flight: "
                 f"{self.in_flight()}; the controller's event loop may be blocked"
             ) from None
+        except CancelledError:
+            raise RequestsCancelled(f"{what}: cancelled ({self.cancelled})") from None
+        finally:
+            with self._waits_lock:
+                self._waits.discard(future)
+
+    def cancel_all(self, why: str) -> None:
+        """Cancel every request in flight (closing its connection tells the engine to abort it)
+        and refuse new ones: each waiting ``run`` raises ``RequestsCancelled`` naming ``why``."""
+        with self._waits_lock:
+            self.cancelled = why
+            waits = list(self._waits)
+        for future in waits:
+            future.cancel()
 
     def in_flight(self) -> dict[str, int]:
         return {

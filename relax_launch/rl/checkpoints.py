@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,9 +13,15 @@ from relax_launch.runtime.stop import JobStopped, resume_command, write_end_reco
 if TYPE_CHECKING:
     from relax_launch.rl.loop import RLContext
 
+log = logging.getLogger(__name__)
+
 
 def checkpoint_due(ctx: RLContext, step: int, num_steps: int) -> bool:
+    """Whether ``step`` is saved as it ends: every ``checkpoint.every_steps`` and the last step,
+    once ``checkpoint.dir`` is set (unset, only a stop saves)."""
     every = ctx.checkpoint_every
+    if every is None:
+        return False
     return step == num_steps or (every > 0 and step % every == 0)
 
 
@@ -34,25 +41,22 @@ def save_checkpoint(ctx: RLContext, step: int) -> None:
 def stop_job(ctx: RLContext, reason: str, done: int, num_steps: int, log_dir: Path) -> None:
     """After a stop request: the checkpoint of the last finished step (unless saved already),
     the end record, and the command that resumes; raises ``JobStopped``."""
-    checkpoint = None
-    if ctx.checkpoints is not None:
+    newest = ctx.checkpoints.newest()
+    lost = ""
+    if done > 0 and (newest is None or newest[0] != done):
+        try:
+            save_checkpoint(ctx, done)
+        except Exception as exc:  # noqa: BLE001 - say what is lost, resume from what is there
+            log.exception("relax-launch: the stop's checkpoint failed")
+            lost = f"the checkpoint of step {done} failed ({type(exc).__name__}: {exc}); "
         newest = ctx.checkpoints.newest()
-        if newest is None or newest[0] != done:
-            if done > 0:
-                save_checkpoint(ctx, done)
-        newest = ctx.checkpoints.newest()
-        checkpoint = str(newest[1]) if newest is not None else None
+    checkpoint = str(newest[1]) if newest is not None else None
     resume = resume_command() if checkpoint else None
     write_end_record(log_dir, "stopped", reason, step=done, checkpoint=checkpoint, resume=resume)
-    where = (
-        f"checkpoint {checkpoint}; resume with: {resume}"
-        if checkpoint
-        else (
-            "no checkpoint (checkpoint.dir is unset)"
-            if ctx.checkpoints is None
-            else "no checkpoint"
-        )
-    )
+    if checkpoint:
+        where = f"{lost}checkpoint {checkpoint}; resume with: {resume}"
+    else:
+        where = f"{lost}no step finished, nothing to resume: run it again"
     operator_log().warning(
         f"relax-launch: stopped by {reason} after step {done} of {num_steps}; {where}"
     )

@@ -11,7 +11,10 @@ split:  the same up to the sync; then every inference role onloads at once (each
         train.
 
 A failure in any phase fails the batch: nothing is committed and nothing trained; the error
-names the phase, the role and its ranks. The coordinator's event log (``coordinator.jsonl`` in
+names the phase, the role and its ranks. A stop abandons the batch in its generation or
+scoring (not in a sync or a move of memory): the roles that hold the ranks offload, and the
+trainer takes them back, so the checkpoint of the last trained step can be written. The
+coordinator's event log (``coordinator.jsonl`` in
 the run's log directory) records every grant, confirmation and commit.
 """
 
@@ -38,7 +41,8 @@ from relax_launch.rl.loop import (
     train,
 )
 from relax_launch.rl.samples import Sample
-from relax_launch.runtime.lifecycle import TRAINER, LeaseError, LifecycleCoordinator
+from relax_launch.runtime.lifecycle import TRAINER, Lease, LeaseError, LifecycleCoordinator
+from relax_launch.runtime.stop import StepAbandoned
 
 
 class PhaseError(RuntimeError):
@@ -161,9 +165,21 @@ def run_batch(
         coordinator.commit_batch(batch)
     except BaseException as exc:
         coordinator.fail_batch(batch, str(exc))
+        if isinstance(exc, StepAbandoned):
+            hand_back(turns)
         raise
     turns.take("trainer")  # only a committed batch is trained on
     return turns
+
+
+def hand_back(turns: Turns) -> None:
+    """After a batch abandoned for a stop: every inference role offloads what it holds, in the
+    order they were registered, then the trainer takes its ranks back (its checkpoint needs its
+    parameters and optimizer state where they belong)."""
+    for role, member in turns.coordinator.members.items():
+        if member.inference and (member.resident or member.lease is not Lease.SLEEPING):
+            turns.give(role)
+    turns.take(TRAINER)
 
 
 @dataclass
@@ -186,19 +202,22 @@ class RLBatchWork:
         self.metrics |= sync_metrics(reports, self.seconds["sync"])
 
     def generate(self) -> None:
-        self.samples, self.cursor = generate(self.ctx, self.seconds)
+        with self.ctx.session.stop.abandonable():
+            self.samples, self.cursor = generate(self.ctx, self.seconds)
         self.rewarded = False
 
     def score(self, role: str) -> None:
         if role == "teacher":
-            score_teacher(self.ctx, self.samples, self.seconds)
+            with self.ctx.session.stop.abandonable():
+                score_teacher(self.ctx, self.samples, self.seconds)
         else:  # the genrm judges inside the reward sources
             self.reward_round()
 
     def reward_round(self) -> None:
         """The round's rewards, once (in the genrm's turn, or after the last turn)."""
         if not self.rewarded:
-            self.round_metrics = score_rewards(self.ctx, self.samples, self.seconds)
+            with self.ctx.session.stop.abandonable():
+                self.round_metrics = score_rewards(self.ctx, self.samples, self.seconds)
             self.rewarded = True
 
     def enough(self) -> bool:
@@ -235,20 +254,23 @@ class EvalWork:
         self.ctx.session.sync_weights(self.version)
 
     def generate(self) -> None:
-        self.samples = self.ctx.evaluation.sample(
-            self.ctx.engines, self.ctx.data.max_response_tokens
-        )
+        with self.ctx.session.stop.abandonable():
+            self.samples = self.ctx.evaluation.sample(
+                self.ctx.engines, self.ctx.data.max_response_tokens
+            )
 
     def score(self, role: str) -> None:
         if role == "genrm":
-            self.rewards = self.ctx.rewards.score(self.samples)
+            with self.ctx.session.stop.abandonable():
+                self.rewards = self.ctx.rewards.score(self.samples)
 
     def enough(self) -> bool:
         return True
 
     def finish(self) -> None:
         if self.rewards is None:
-            self.rewards = self.ctx.rewards.score(self.samples)
+            with self.ctx.session.stop.abandonable():
+                self.rewards = self.ctx.rewards.score(self.samples)
         self.metrics = self.ctx.evaluation.summarize(self.samples, self.rewards)
 
 
@@ -266,7 +288,10 @@ def colocated_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float
     if ctx.evaluation is not None and ctx.evaluation.due(step + 1, num_steps):
         evaluation = EvalWork(ctx, step + 1)
         judge = tuple(r for r in ("genrm",) if r in ctx.coordinator.members)
-        with timed(seconds, "eval"):  # its turns inside: one more round of onloads
-            run_batch(evaluation, ctx.coordinator, 2 * step + 1, split=split, scorers=judge)
-        metrics |= evaluation.metrics
+        try:
+            with timed(seconds, "eval"):  # its turns inside: one more round of onloads
+                run_batch(evaluation, ctx.coordinator, 2 * step + 1, split=split, scorers=judge)
+            metrics |= evaluation.metrics
+        except StepAbandoned:  # the step trained: it counts, its evaluation does not
+            pass
     return step_record(ctx, step, work.batch, metrics, stale=0)

@@ -1,4 +1,5 @@
-"""The RL loop on rank 0: one function per step that lists its phases, and the run around it.
+"""The RL step on rank 0: one function per step that lists its phases (the run around the
+steps is ``rl/runner.py``).
 
 rollout (N samples per prompt through the gateway) -> teacher scoring (logprobs written back
 onto the samples) -> rewards (functions and the GenRM judge) -> advantages (GRPO, plus the
@@ -15,11 +16,10 @@ one older than ``off_policy_steps`` is not trained on (``samples_stale``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
@@ -27,25 +27,24 @@ from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import RolloutFunction
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.batch import assign_advantages, sample_metrics, shape_overlong, to_batch
-from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream, prompt_ids
 from relax_launch.rl.dynamic_sampling import keep_groups_with_signal
 from relax_launch.rl.evaluation import Evaluation
-from relax_launch.rl.report import MetricsLog, StepProgress
+from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
 from relax_launch.runtime.session import Session
+from relax_launch.runtime.stop import StepAbandoned
 from relax_launch.trainer.losses import LossSpec
 
 # The background rollout's requests each time out after gateway.request_timeout_s (300 s by
 # default); this bounds the wait for all of them with room to spare.
 ROLLOUT_WAIT_S = 900.0
-STOP_NOTICE_S = 3.0  # a step that fails waits this long for a stop request that explains it
-clock = time.perf_counter  # the step clock (a test steps it by hand)
+clock = time.perf_counter  # the phase clock
 
 
 @dataclass
@@ -72,9 +71,9 @@ class RLContext:
     log: MetricsLog
     has_teacher: bool
     engines: EngineClients  # the engines, reached in process (rl/rollout.py)
+    checkpoints: Checkpoints  # where they go: checkpoint.dir, else the run directory
     skipped_prompts: int = 0
-    checkpoints: Checkpoints | None = None
-    checkpoint_every: int = 0  # steps; 0: only at the end
+    checkpoint_every: int | None = 0  # steps; 0: only at the end; None: only on a stop
     trained_cursor: PromptCursor = field(default_factory=PromptCursor)  # of the last trained batch
     seconds: dict[str, float] = field(default_factory=dict)  # this step's main-thread phases
     background: ThreadPoolExecutor | None = None  # off-policy: where the next rollout runs
@@ -111,13 +110,19 @@ def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
 
 
 def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
-    """One RL step; returns its metrics (the step's wall time is added by ``run``)."""
+    """One RL step; returns its metrics (the step's wall time is added by ``run``).
+
+    A stop abandons the step while its batch is being made (``StepAbandoned``); once training
+    began the step finishes, without its weight sync (the resumed job syncs at start-up)."""
     ctx.seconds = {}
     a = ctx.algorithm
-    if ctx.upcoming is not None:  # generated while the previous step trained
-        batch = ctx.upcoming.result()
-    else:
-        batch = collect(ctx, ctx.seconds)  # rollout -> teacher -> reward -> advantages
+    stop = ctx.session.stop
+    with stop.abandonable():
+        if ctx.upcoming is not None:  # generated while the previous step trained
+            batch = ctx.upcoming.result()
+        else:
+            batch = collect(ctx, ctx.seconds)  # rollout -> teacher -> reward -> advantages
+    stop.check()
     ctx.upcoming = None
     if ctx.background is not None and step + 1 < num_steps:
         ctx.upcoming = ctx.background.submit(collect, ctx, {})
@@ -126,9 +131,13 @@ def rl_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
     stale = drop_stale(batch.samples, trainer_version=step, bound=bound)
     with timed(ctx.seconds, "train"):
         metrics = train(ctx, batch.samples)
-    if ctx.upcoming is not None:
-        with timed(ctx.seconds, "wait"):  # the engines must be idle before they take weights
-            wait_for_rollout(ctx.upcoming, step + 1)
+    try:
+        if ctx.upcoming is not None:
+            with timed(ctx.seconds, "wait"), stop.abandonable():  # the engines must be idle
+                wait_for_rollout(ctx.upcoming, step + 1)  # before they take weights
+        stop.check()
+    except StepAbandoned:  # trained: the step counts, its checkpoint comes next
+        return step_record(ctx, step, batch, metrics, stale)
     with timed(ctx.seconds, "sync"):
         reports = sync(ctx, step + 1)
     metrics |= sync_metrics(reports, ctx.seconds["sync"]) | ctx.session.engine_metrics()
@@ -182,13 +191,6 @@ def step_record(
         "data/skipped_long_prompts": ctx.skipped_prompts,
         **metrics,
     }
-
-
-def step_times(main_thread: dict[str, float], wall_s: float) -> dict[str, float]:
-    """``time/step`` is the step's whole wall time; ``time/other`` what no main-thread phase
-    covers (writing metrics and TensorBoard, the console, Python between phases)."""
-    phases = {f"time/{k}": v for k, v in main_thread.items()}
-    return phases | {"time/step": wall_s, "time/other": wall_s - sum(main_thread.values())}
 
 
 def sync_metrics(reports: list[dict[str, float]], seconds: float) -> dict[str, float]:
@@ -313,81 +315,3 @@ def next_prompts(ctx: RLContext) -> list[tuple[Prompt, list[int]]]:
         f"data.dataset: almost every prompt is longer than data.max_prompt_tokens="
         f"{ctx.data.max_prompt_tokens}; raise it or shorten the prompts"
     )
-
-
-def run(
-    ctx: RLContext,
-    num_steps: int,
-    log_dir: Path,
-    start_step: int = 0,
-    step_fn: Callable[[RLContext, int, int], dict[str, float]] = rl_step,
-) -> list[dict[str, float]]:
-    """Steps ``start_step`` to ``num_steps`` with a progress line each, checkpoints when due;
-    metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end.
-
-    Asked to stop (``Session.stop_requested``), it stops after the step in flight (or drops that
-    step when it fails, e.g. its engines got the same signal), saves the last finished step and
-    raises ``JobStopped``.
-
-    Step k's wall time runs from the end of step k-1's to its own end, so the steps tile the
-    loop: logging and printing step k-1 is part of step k's ``time/other``.
-    """
-    history = list(ctx.log.history)
-    if ctx.algorithm.off_policy_steps:
-        ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
-    if ctx.continuous is not None:
-        ctx.continuous.start()
-    try:
-        stopped, done = run_steps(ctx, num_steps, start_step, step_fn, history)
-        if stopped is not None and (failure := ctx.session.stop.failed()):
-            raise RuntimeError(f"the job failed: {failure}")  # the stop was its consequence
-    finally:
-        if ctx.background is not None:  # on an error, do not wait for a rollout nobody needs
-            ctx.background.shutdown(wait=False, cancel_futures=True)
-        if ctx.continuous is not None:
-            ctx.continuous.close()
-    operator_log().info(ctx.log.finish(history, log_dir))
-    if stopped is not None:
-        stop_job(ctx, stopped, done, num_steps, log_dir)
-    return history
-
-
-def run_steps(
-    ctx: RLContext,
-    num_steps: int,
-    start_step: int,
-    step_fn: Callable[[RLContext, int, int], dict[str, float]],
-    history: list[dict[str, float]],
-) -> tuple[str | None, int]:
-    """The steps; returns why they stopped early (None: they all ran) and the steps done."""
-    progress = StepProgress(ctx.session.console, num_steps, start_step)
-    with progress:
-        began = clock()
-        for step in range(start_step, num_steps):
-            if stopped := ctx.session.stop_requested():
-                return stopped, step
-            try:
-                metrics = step_fn(ctx, step, num_steps)
-            except Exception as exc:
-                if not (stopped := ctx.session.stop_requested(wait_s=STOP_NOTICE_S)):
-                    raise
-                operator_log().warning(
-                    f"relax-launch: step {step + 1} dropped ({type(exc).__name__}) by the stop"
-                )
-                return stopped, step
-            if ctx.checkpoints is not None and checkpoint_due(ctx, step + 1, num_steps):
-                with timed(ctx.seconds, "checkpoint"):
-                    save_checkpoint(ctx, step + 1)
-            evaluating = ctx.evaluation is not None and ctx.coordinator is None  # split/defer:
-            if evaluating and ctx.evaluation.due(step + 1, num_steps):  # in their own turns
-                with timed(ctx.seconds, "eval"):  # the weights this step synced
-                    metrics |= ctx.evaluation.run(
-                        ctx.engines, ctx.rewards, ctx.data.max_response_tokens
-                    )
-            ended = clock()
-            metrics |= step_times(ctx.seconds, ended - began)
-            began = ended
-            history.append(metrics)
-            ctx.log.write(metrics)
-            progress.step(metrics)
-    return None, num_steps

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 from typing import Any
 
 from relax_launch.config.job import JobConfig
@@ -16,9 +15,10 @@ from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.colocated import colocated_step
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.evaluation import Evaluation
-from relax_launch.rl.loop import RLContext, next_prompts, rl_step, run
+from relax_launch.rl.loop import RLContext, next_prompts, rl_step
 from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
+from relax_launch.rl.runner import run
 from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.console import operator_log
@@ -36,10 +36,7 @@ def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
     def program(session: Session) -> list[dict[str, float]]:
         log_dir = job.log_dir
         prompts = PromptStream(data, shuffle=job.data.shuffle, seed=job.data.seed)
-        checkpoints = None
-        if job.checkpoint.dir is not None:
-            directory = Path(job.checkpoint.dir.format(name=job.name))
-            checkpoints = Checkpoints(directory, job.checkpoint.keep_last)
+        checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last)
         start, skipped = resume(session, checkpoints, prompts) if job.checkpoint.resume else (0, 0)
         # metric sinks before the engines' first sync: a W&B login problem fails fast
         sinks = metric_sinks(job.logging, log_dir, start, job.name, job.model_dump(mode="json"))
@@ -70,7 +67,7 @@ def rl_context(
     session: Session,
     prompts: PromptStream,
     log: MetricsLog,
-    checkpoints: Checkpoints | None,
+    checkpoints: Checkpoints,
     skipped: int,
 ) -> RLContext:
     """What every RL step needs, from the job's sections and the live session."""
@@ -96,7 +93,7 @@ def rl_context(
         engines=engines,
         skipped_prompts=skipped,
         checkpoints=checkpoints,
-        checkpoint_every=job.checkpoint.every_steps,
+        checkpoint_every=job.checkpoint.every_steps if job.checkpoint.dir is not None else None,
         correction=job.rollout_correction(),
         evaluation=evaluation,
         agent=load_rollout_function(job.rollout.function) if job.rollout.function else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from relax_launch.config.section import Section
 
@@ -14,7 +14,9 @@ class CheckpointConfig(Section):
     """Trainer state + step + data position, saved every K steps."""
 
     dir: str | None = Field(
-        None, description="Checkpoint directory ({name} is the job name); unset disables saving."
+        None,
+        description="Checkpoint directory ({name} is the job name). Unset: a checkpoint is "
+        "written only when the job is stopped, into {logging.dir}/checkpoints.",
     )
     every_steps: int = Field(
         0, ge=0, description="Save every K steps; 0 saves only at the end (always when dir is set)."
@@ -22,15 +24,10 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=0, description="Checkpoints kept in dir; 0 keeps every one.")
     resume: bool = Field(
         False,
-        description="Continue from the newest complete checkpoint in dir (trainer state, step, "
-        "prompt position); with none there yet, start from the beginning.",
+        description="Continue from the newest complete checkpoint in dir (unset: in "
+        "{logging.dir}/checkpoints): trainer state, step, prompt position; with none there "
+        "yet, start from the beginning.",
     )
-
-    @model_validator(mode="after")
-    def _resume_needs_dir(self) -> CheckpointConfig:
-        if self.resume and self.dir is None:
-            raise ValueError("resume needs dir: set checkpoint.dir=PATH, where the run saved")
-        return self
 
 
 class WandbConfig(Section):

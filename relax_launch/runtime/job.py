@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from relax_launch.config.job import JobConfig
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
+from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.console import operator_log, route_rank_output
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.runtime.distributed import (
@@ -35,7 +35,13 @@ from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.startup import StartupClock, StartupMarks
-from relax_launch.runtime.stop import JobStopped, StopRequest, write_end_record
+from relax_launch.runtime.stop import (
+    LAUNCHER_ENV,
+    JobStopped,
+    StopRequest,
+    resume_command,
+    write_end_record,
+)
 from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
 from relax_launch.runtime.workers import TrainerWorker
 
@@ -141,7 +147,9 @@ def start_watchdog(
         watchdog.watch_engine(what, lambda engine=engine: engine.process, restarts)
         watchdog.closers.append(engine.close)
     if rank == 0:
-        watchdog.on_end = lambda reason: end_in_failure(job, reason)
+        watchdog.on_end = lambda reason, stopped: (end_stopped if stopped else end_in_failure)(
+            job, reason
+        )
     watchdog.start()
     stop.failure = watchdog.recorded_abort
     stop.graceful = True
@@ -149,9 +157,25 @@ def start_watchdog(
 
 
 def end_in_failure(job: JobConfig, reason: str) -> None:
-    """Rank 0: tell the operator why the job ends, and write it into the run's end record."""
-    operator_log().error(f"relax-launch: job failed: {reason}")
+    """Rank 0: write why the job ends into the run's end record, and tell the operator, unless
+    ``relax-launch run`` does (last, below the log that says why)."""
     write_end_record(job.log_dir, "failed", reason)
+    if not os.environ.get(LAUNCHER_ENV):  # the rank's log has the reason already
+        operator_log().error(f"relax-launch: job failed: {reason}")
+
+
+def end_stopped(job: JobConfig, reason: str) -> None:
+    """Rank 0, stopped before its first step: nothing new to save; a resumed run's checkpoint
+    still resumes."""
+    found = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last).newest()
+    step, checkpoint = found if found is not None and job.checkpoint.resume else (0, None)
+    resume = resume_command() if checkpoint else None
+    write_end_record(
+        job.log_dir, "stopped", reason, step=step, checkpoint=str(checkpoint or "") or None,
+        resume=resume,
+    )  # fmt: skip
+    then = f"resume with: {resume}" if resume else "nothing to resume: run it again"
+    operator_log().warning(f"relax-launch: {reason}; {then}")
 
 
 def report_failure(
@@ -261,10 +285,9 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
         join_spanning_engines(job, plan, rank, store, workers, clock)
         watchdog = start_watchdog(job, plan, rank, store, stop, workers)
         check_same_plan(store, plan, rank, job.cluster.collective_timeout_s)
-        if job.checkpoint.dir is not None:
-            check_shared_directory(
-                store, Path(job.checkpoint.dir), plan, rank, job.cluster.collective_timeout_s
-            )
+        check_shared_directory(  # where checkpoints go, even if only a stop writes one
+            store, job.checkpoint_dir, plan, rank, job.cluster.collective_timeout_s
+        )
         watchdog.joined()  # every rank has published its first heartbeat and its PID
         clock.mark("process group")
         if rank == 0:

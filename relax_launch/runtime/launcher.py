@@ -8,6 +8,7 @@ reads e.g. ``rank 2 (rollout[e0 head]) was killed by SIGKILL`` and the end of th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -16,17 +17,35 @@ import sys
 import time
 from pathlib import Path
 
-from relax_launch.inference.process import die_with_parent, free_port, group_alive
+import psutil
+
+from relax_launch.config.job import JobConfig
+from relax_launch.inference.process import die_with_parent, free_port
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
+from relax_launch.runtime.checkpoint import Checkpoints
 from relax_launch.runtime.console import rank_log_path
-from relax_launch.runtime.stop import END_RECORD, EXIT_ABORTED, EXIT_STOPPED, read_end_record
+from relax_launch.runtime.stop import (
+    END_RECORD,
+    EXIT_ABORTED,
+    EXIT_STOPPED,
+    JOB_STARTED_ENV,
+    LAUNCHER_ENV,
+    STOP_FILE,
+    read_end_record,
+    resume_command,
+    signal_name,
+)
 
 ENTRY_MODULE = "relax_launch.launch"  # what `relax-launch run` starts on every rank
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 _FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
+_ENGINE = re.compile(r"\b(rollout|teacher|genrm) engine (\d+)\b")
+_RANK = re.compile(r"\brank (\d+) \(")
+_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")  # a log record's first line
+_WARNING = re.compile(r"\.py:\d+: \w*Warning: ")  # how Python prints a warning
 LOG_TAIL_LINES = 30
-GROUP_EXIT_S = 45.0  # torchrun gives its ranks 30 s after SIGTERM, then kills them
+GROUP_EXIT_S = 45.0  # a job asked to stop by this command is gone well within this
 
 
 def torchrun_command(
@@ -76,98 +95,177 @@ def explain_failure(plan: PlacementPlan, output: str) -> str | None:
     return f"rank {rank} ({roles}) {how}"
 
 
-def failure_report(plan: PlacementPlan, log_dir: Path, code: int) -> str:
-    """What failed, and the last lines of the log that says why (the failed rank's, or else
-    torchrun's own)."""
+def failure_report(
+    plan: PlacementPlan, log_dir: Path, code: int, cause: str | None = None, advice: str = ""
+) -> str:
+    """The end of the log that says why (the engine's or rank's that ``cause`` names, else the
+    rank torchrun saw fail, else torchrun's own), without library warnings; then, last, one
+    line: what failed and, with ``advice``, what to do next."""
     torchrun_log = log_dir / "torchrun.log"
-    output = torchrun_log.read_text(errors="replace") if torchrun_log.is_file() else ""
+    output = _torchrun_output(log_dir)
     failed = failed_rank(output)
-    log = rank_log_path(log_dir, failed[0]) if failed else torchrun_log
-    reason = explain_failure(plan, output) or f"torchrun exited with code {code}"
-    lines = [f"relax-launch: job failed: {reason}"]
+    cause = cause or explain_failure(plan, output) or f"torchrun exited with code {code}"
+    log = _log_naming(cause, log_dir) or (
+        rank_log_path(log_dir, failed[0]) if failed else torchrun_log
+    )
+    lines = []
     if log.is_file():
-        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        tail = operator_tail(log.read_text(errors="replace"), LOG_TAIL_LINES)
         lines += [f"relax-launch: last lines of {log}:", *(f"  {line}" for line in tail)]
+    lines.append(f"relax-launch: job failed: {cause}" + (f"; {advice}" if advice else ""))
     return "\n".join(lines)
+
+
+def _log_naming(cause: str, log_dir: Path) -> Path | None:
+    """The log of the engine or rank a cause names first, if it exists."""
+    candidates = []
+    if engine := _ENGINE.search(cause):
+        candidates.append(log_dir / f"{engine[1]}-engine{engine[2]}.log")
+    if rank := _RANK.search(cause):
+        candidates.append(rank_log_path(log_dir, int(rank[1])))
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def operator_tail(text: str, count: int) -> list[str]:
+    """The last ``count`` lines of a log, less library warnings: a rank log's ``py.warnings``
+    records, and any ``file.py:N: SomeWarning:`` line with the indented source lines after it
+    (what Python prints itself, in an engine's log)."""
+    kept, dropping = [], False
+    for line in text.splitlines():
+        if _RECORD.match(line):
+            dropping = " py.warnings: " in line
+        elif _WARNING.search(line):
+            dropping = True
+        elif dropping and not line.startswith((" ", "\t")) and line.strip():
+            dropping = False  # the end of a warning printed by Python
+        if not dropping:
+            kept.append(line)
+    return kept[-count:]
+
+
+def next_steps(job: JobConfig, args: list[str], cause: str) -> str:
+    """What the operator can do after a failure: the option that would have kept the job
+    going, and the command that resumes it from its newest checkpoint."""
+    steps = []
+    if " engine " in cause and "SGLang server" in cause and "rollout" in cause:
+        if job.rollout is not None and not job.rollout.fault_tolerance:
+            steps.append(
+                "with rollout.fault_tolerance=true (decoupled, 2+ rollout engines) a dead "
+                "rollout engine is restarted and the job goes on"
+            )
+    newest = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last).newest()
+    if newest is not None:
+        steps.append(f"resume from step {newest[0]} with: {resume_command(args)}")
+    else:
+        steps.append("no checkpoint to resume from: fix the cause and run it again")
+    return "; ".join(steps)
 
 
 def run_local(
     script: Path | str,
     args: list[str],
     plan: PlacementPlan,
-    log_dir: Path,
+    job: JobConfig,
     timeout_s: float | None = None,
 ) -> int:
     """Run torchrun in the foreground (rank 0's console lines reach this stdout directly) and
     explain a failure on stderr; returns the job's exit code (``EXIT_STOPPED`` when it stopped
     on request and can be resumed).
 
-    The first Ctrl-C (or SIGTERM to this command) asks the job to stop after a checkpoint: torchrun
-    passes SIGTERM on to every rank, and rank 0 stops them in order. The second kills it all now.
-    If this command dies, torchrun gets SIGTERM (its parent-death signal) and does the same.
+    The first Ctrl-C (or SIGTERM to this command) asks the job to stop: it writes the run's
+    ``STOP`` file, which rank 0 acts on (``runtime/stop.py``); torchrun is not signalled, since it
+    would give the ranks only 30 s. The second Ctrl-C kills it all now. If this command dies,
+    torchrun gets SIGTERM (its parent-death signal) and passes it on to every rank.
     """
+    log_dir = job.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / END_RECORD).unlink(missing_ok=True)
+    (log_dir / STOP_FILE).unlink(missing_ok=True)
+    marker = repr(time.time())  # when the job started, and the mark of its processes
+    env = dict(os.environ, **{JOB_STARTED_ENV: marker, LAUNCHER_ENV: "1"})
     with open(log_dir / "torchrun.log", "w") as torchrun_log:
         process = subprocess.Popen(
             torchrun_command(script, args, plan),
             stderr=torchrun_log,
+            env=env,
             start_new_session=True,
             preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # a stop: torchrun passes it on
         )
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for signum in previous:
-            signal.signal(signum, lambda signum, frame: _ask_to_stop(process))
+            signal.signal(signum, lambda signum, _: _ask_to_stop(process, log_dir, signum, marker))
         try:
             code = process.wait(timeout=timeout_s)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            _stop_group(process)
-    return _outcome(plan, log_dir, code)
+            _stop_group(process, log_dir, marker)
+    return _outcome(plan, job, args, code)
 
 
-def _ask_to_stop(process: subprocess.Popen) -> None:
+def _ask_to_stop(process: subprocess.Popen, log_dir: Path, signum: int, marker: str) -> None:
     if getattr(process, "stop_asked", False):
-        print("relax-launch: stopping now", file=sys.stderr)
-        os.killpg(process.pid, signal.SIGKILL)
+        print("relax-launch: stopping now, without a checkpoint", file=sys.stderr)
+        for victim in job_processes(marker):  # every rank and server, not only torchrun
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.kill()
         return
     process.stop_asked = True
+    (log_dir / STOP_FILE).write_text(f"{signal_name(signum)} to relax-launch run\n")
     print(
-        "relax-launch: stopping after a checkpoint (Ctrl-C again to stop at once)",
+        f"relax-launch: {signal_name(signum)}: asking the job to stop (Ctrl-C again to stop at "
+        "once, without a checkpoint)",
         file=sys.stderr,
     )
-    process.send_signal(signal.SIGTERM)  # torchrun only: it passes it on to every rank once
 
 
-def _outcome(plan: PlacementPlan, log_dir: Path, code: int) -> int:
+def _outcome(plan: PlacementPlan, job: JobConfig, args: list[str], code: int) -> int:
     """The job's exit code, explained: rank 0's end record says how it ended, torchrun's
     summary which rank failed when rank 0 could not say."""
-    record = read_end_record(log_dir)
+    record = read_end_record(job.log_dir)
     if record is not None and record["state"] == "stopped":
         return EXIT_STOPPED
     if code == 0 and (record is None or record["state"] == "completed"):
         return 0
-    report = failure_report(plan, log_dir, code)
-    if record is not None and record["state"] == "failed":
-        report = report.replace(
-            report.splitlines()[0], f"relax-launch: job failed: {record['reason']}", 1
-        )
-    print(report, file=sys.stderr)
+    cause = record["reason"] if record is not None and record["state"] == "failed" else None
+    cause = cause or explain_failure(plan, _torchrun_output(job.log_dir))
+    advice = next_steps(job, args, cause or "")
+    print(failure_report(plan, job.log_dir, code, cause, advice), file=sys.stderr)
     return 128 - code if code < 0 else code or 1  # killed by signal N: 128 + N, as a shell says
 
 
-def _stop_group(process: subprocess.Popen) -> None:
-    """torchrun and its ranks share our new session: none of them outlives this command. Ranks
-    whose agent died leave by themselves within seconds (their watchdogs notice); a job still
+def _torchrun_output(log_dir: Path) -> str:
+    path = log_dir / "torchrun.log"
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _stop_group(process: subprocess.Popen, log_dir: Path, marker: str) -> None:
+    """torchrun, its ranks (each in a session of its own) and their servers all carry this
+    command's ``marker``: none of them outlives it. Ranks whose agent died leave by themselves
+    within seconds (their watchdogs notice, and rank 0 writes the end record); a job still
     running here (a timeout, an error in this command) is asked to stop first; whatever is left
-    after ``GROUP_EXIT_S`` is killed."""
+    after ``GROUP_EXIT_S`` is killed by PID."""
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+        (log_dir / STOP_FILE).write_text("relax-launch run is ending\n")
     deadline = time.monotonic() + GROUP_EXIT_S
-    while group_alive(process.pid) and time.monotonic() < deadline:
+    while job_processes(marker) and time.monotonic() < deadline:
         process.poll()
         time.sleep(0.2)
-    if group_alive(process.pid):
-        os.killpg(process.pid, signal.SIGKILL)
+    for leftover in job_processes(marker):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            leftover.kill()
     process.wait()
+
+
+def job_processes(marker: str) -> list[psutil.Process]:
+    """The live processes of the job this command started (they inherit ``marker``)."""
+    found = []
+    for candidate in psutil.process_iter():
+        try:
+            if candidate.status() == psutil.STATUS_ZOMBIE or candidate.pid == os.getpid():
+                continue
+            if candidate.environ().get(JOB_STARTED_ENV) == marker:
+                found.append(candidate)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found

@@ -12,8 +12,9 @@ script does, and why:
   metrics, ``torchrun-node<N>.log``); rank 0's console goes to ``slurm-<id>.out`` beside it.
 - ``--signal=B:USR1@120``: 120 s before the time limit Slurm signals the batch shell, which
   writes the run's ``STOP`` file; rank 0 then checkpoints and stops the job (exit 75). With
-  ``--requeue`` the script then requeues the job, and ``checkpoint.resume=true`` (always passed
-  when ``checkpoint.dir`` is set) makes the requeued job continue from that checkpoint.
+  ``--requeue`` the script then requeues the job, and ``checkpoint.resume=true`` (always passed)
+  makes the requeued job continue from that checkpoint (with ``checkpoint.dir`` unset, from the
+  run directory's, which a requeued job keeps: its id does not change).
 - The job's exit code is the training job's: srun's, the highest of the agents' (an agent whose
   rank 0 stopped on request exits 75, read from the run's end record; torchrun says 1 for any
   rank's failure). ``--exclusive``: the ranks use every core and device of their node.
@@ -59,9 +60,7 @@ def render(
     run ``python`` (default: this interpreter, i.e. the environment relax-launch runs in)."""
     log_root = Path(job.log_dir)
     args = [config_path, *overrides, "logging.dir=$RELAX_RUN_DIR"]
-    if job.checkpoint.dir is not None and not any(
-        o.startswith("checkpoint.resume=") for o in overrides
-    ):
+    if not any(o.startswith("checkpoint.resume=") for o in overrides):
         args.append("checkpoint.resume=true")  # a requeued or resubmitted job continues
     lines = [
         "#!/bin/bash",
@@ -138,11 +137,13 @@ def _body(
         'cd "$SLURM_SUBMIT_DIR"  # where the config\'s relative paths start',
         f'export RELAX_RUN_DIR="{log_root}/job-$SLURM_JOB_ID"',
         'mkdir -p "$RELAX_RUN_DIR"',
+        'rm -f "$RELAX_RUN_DIR/STOP"  # a requeued job\'s run directory: its last stop is done',
+        'export RELAX_JOB_STARTED="$(date +%s.%N)"',
         'export RELAX_HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
         f'export RELAX_PORT="$(( {PORT_BASE} + SLURM_JOB_ID % 20000 ))"',
         "# Slurm's warning before the time limit reaches this shell: rank 0 checkpoints and stops.",
         'trap \'echo "relax-launch: time limit near: stopping after a checkpoint"; '
-        'touch "$RELAX_RUN_DIR/STOP"\' USR1',
+        'echo "SIGUSR1 (Slurm: time limit near)" > "$RELAX_RUN_DIR/STOP"\' USR1',
         "# In a container, wrap the agent: srun --container-image=IMAGE ... (pyxis/enroot), with",
         "# the repository, model cache and checkpoint directory mounted at the same paths.",
         *agent,

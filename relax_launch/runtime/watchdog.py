@@ -34,7 +34,7 @@ import torch.distributed as dist
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.engine_restart import EngineRestarts
-from relax_launch.runtime.stop import EXIT_ABORTED, StopRequest
+from relax_launch.runtime.stop import EXIT_ABORTED, EXIT_STOPPED, StopRequest
 
 ABORT_KEY = "abort"
 SHUTDOWN_KEY = "shutdown"
@@ -53,8 +53,9 @@ def describe_exit(code: int) -> str:
 
 
 class JobWatchdog:
-    """See the module docstring. ``on_end(reason)`` runs once, on the watchdog's thread, before
-    the rank leaves (rank 0 prints the reason for the operator and writes the run's end record)."""
+    """See the module docstring. ``on_end(reason, stopped)`` runs once, on the watchdog's
+    thread, before the rank leaves (rank 0 prints the reason for the operator and writes the
+    run's end record)."""
 
     def __init__(
         self,
@@ -72,7 +73,9 @@ class JobWatchdog:
         # (what, its server's current Popen, who restarts it or None) for each engine headed here
         self.engines: list[tuple[str, Callable[[], Any], EngineRestarts | None]] = []
         self.closers: list[Callable[[], None]] = []  # stop this rank's servers before leaving
-        self.on_end: Callable[[str], None] = lambda reason: None
+        # (reason, stopped: a stop before the first step, not a failure)
+        self.on_end: Callable[[str, bool], None] = lambda reason, stopped: None
+        self._stopped_early: str | None = None  # rank 0: the abort record of such a stop
         self.watch_ranks = False  # rank 0, once every rank has joined
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat, when it changed)
         self.siblings: dict[int, int] = {}  # the other ranks of this node -> their PIDs
@@ -152,13 +155,13 @@ class JobWatchdog:
                 return
 
     def _check(self) -> str | None:
-        """Why this rank must end now, or None."""
+        """Why this rank must end now, or None. A death is looked for before a stop request:
+        torchrun stops every rank with SIGTERM when one dies, and that stop only follows it."""
         if os.getppid() != self.parent:  # before the store: the agent may have hosted it
             return self.abort(f"{describe_rank(self.plan, self.rank)}: its torchrun agent died")
         silent = None
         try:
             self.store.add(self._alive_key(self.rank), 1)
-            self.stop.poll(self.store)
             if self.store.check([ABORT_KEY]):
                 return self.store.get(ABORT_KEY).decode()
             if self.store.check([SHUTDOWN_KEY]):  # ranks and servers now leave on purpose
@@ -169,8 +172,22 @@ class JobWatchdog:
         except Exception as exc:  # noqa: BLE001 - a store that does not answer is the news
             if lost := self._store_lost(exc):
                 return lost
-        died = self._dead_neighbour()
-        return self.abort(died or silent) if died or silent else None
+        if died := self._dead_neighbour() or silent:
+            return self.abort(died)
+        try:
+            self.stop.poll(self.store)
+        except Exception:  # noqa: BLE001 - the store's silence is judged above, next tick
+            return None
+        return self._stop_before_steps()
+
+    def _stop_before_steps(self) -> str | None:
+        """Rank 0, asked to stop before its first step: nothing to save, so every rank ends now
+        as for a failure (the end record says "stopped"), not after start-up has finished."""
+        asked = self.stop.requested() if self.rank == 0 and not self.stop.stepping else None
+        if asked is None:
+            return None
+        self._stopped_early = f"stopped by {asked} before the first step"
+        return self.abort(self._stopped_early)
 
     def _dead_neighbour(self) -> str | None:
         """Another rank of this node, or a server this rank started, that is gone."""
@@ -257,12 +274,13 @@ class JobWatchdog:
                 close()
             except Exception:  # noqa: BLE001 - stop the rest whatever one did
                 log.exception("relax-launch: stopping a server failed")
+        stopped = reason == self._stopped_early
         try:
             if self.claim_end():
-                self.on_end(reason)
+                self.on_end(reason, stopped)
         finally:
             logging.shutdown()
-            os._exit(EXIT_ABORTED)
+            os._exit(EXIT_STOPPED if stopped else EXIT_ABORTED)
 
     def _alive_key(self, rank: int) -> str:
         return f"alive/{rank}"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from relax_launch import platform
 from relax_launch.trainer.batch import TokenBatch
@@ -174,8 +175,13 @@ class Trainer:
                 f"pp_size than this job's ({self.pgc.tp.size()}, {self.pgc.pp.size()})"
             )
         state = torch.load(path, map_location=self.torch_device, weights_only=False)
-        self.model.module.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.model.module.load_state_dict(state["model"], strict=True)  # copied into the params
+        # the optimizer keeps the loaded tensors themselves, and torch.load's storages cannot be
+        # resized, which is how offloading frees one (split/defer): it gets copies of its own
+        optimizer_state = tree_map(
+            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state["optimizer"]
+        )
+        self.optimizer.load_state_dict(optimizer_state)
         self.step = int(state["step"])
         return self.step
 

@@ -148,7 +148,6 @@ CASES = {
         ["remove trainer.ranks"],
     ),
     "decoupled without trainer.ranks": (["trainer.ranks=null"], ["trainer.ranks is required"]),
-    "resume without a checkpoint dir": (["checkpoint.resume=true"], ["checkpoint", "needs dir"]),
     "defer role larger than the world": (
         [
             "placement.mode=defer",

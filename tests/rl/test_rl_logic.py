@@ -11,7 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from relax_launch.rl import loop
+from relax_launch.rl import runner
 from relax_launch.rl.advantages import distill_advantages, grpo
 from relax_launch.rl.batch import assign_advantages, to_batch
 from relax_launch.rl.config import DataConfig, RewardConfig, RewardSource
@@ -26,6 +26,7 @@ from relax_launch.rl.rewards import (
     parse_score,
 )
 from relax_launch.rl.samples import Sample
+from relax_launch.runtime.stop import StopRequest
 from relax_launch.trainer.losses import LossSpec, policy_loss, reference_kl
 
 
@@ -332,6 +333,7 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
         log=None,
         has_teacher=False,
         engines=None,
+        checkpoints=None,
     )
     chosen = next_prompts(ctx)
     assert [p.index for p, _ in chosen] == [0, 2] and ctx.skipped_prompts == 1
@@ -344,7 +346,7 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
 
 def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monkeypatch, tmp_path):
     now = [0.0]
-    monkeypatch.setattr(loop, "clock", lambda: now[0])
+    monkeypatch.setattr(runner, "clock", lambda: now[0])
 
     def step_of_six_seconds(ctx, step, num_steps):
         ctx.seconds = {"rollout": 2.0, "train": 3.0, "sync": 1.0}
@@ -360,14 +362,18 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
     ctx = SimpleNamespace(
         algorithm=SimpleNamespace(off_policy_steps=0),
         log=SlowLog(tmp_path),
-        session=SimpleNamespace(console=console, stop_requested=lambda wait_s=0.0: None),
+        session=SimpleNamespace(
+            console=console, stop_requested=lambda wait_s=0.0: None, stop=StopRequest(0, tmp_path)
+        ),
+        engines=SimpleNamespace(cancel_all=lambda why: None),
         checkpoints=None,
+        checkpoint_every=None,
         evaluation=None,
         continuous=None,
         background=None,
         seconds={},
     )
-    history = loop.run(ctx, 3, tmp_path, step_fn=step_of_six_seconds)
+    history = runner.run(ctx, 3, tmp_path, step_fn=step_of_six_seconds)
     # step k's window starts where step k-1's ended: writing step k-1's row is in step k
     assert [r["time/step"] for r in history] == [6.0, 10.0, 10.0]
     assert [r["time/other"] for r in history] == [0.0, 4.0, 4.0]

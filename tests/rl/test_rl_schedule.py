@@ -5,19 +5,26 @@ rollout overlaps training but never a weight sync."""
 from __future__ import annotations
 
 import io
+import json
+import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
+from torch.distributed import HashStore
 
 from relax_launch.config import DataConfig
 from relax_launch.rl import loop
 from relax_launch.rl.config import AlgorithmConfig
 from relax_launch.rl.data import PromptCursor
-from relax_launch.rl.loop import RLContext, RolloutBatch, run
+from relax_launch.rl.loop import RLContext, RolloutBatch
 from relax_launch.rl.report import MetricsLog
+from relax_launch.rl.runner import run
 from relax_launch.rl.samples import Sample
+from relax_launch.runtime.checkpoint import Checkpoints
+from relax_launch.runtime.stop import NUDGE, JobStopped, StopRequest
 
 PHASE_S = 0.5  # room for the next rollout to start while a step trains, on a loaded machine
 
@@ -27,15 +34,16 @@ class RecordingSession:
 
     console = Console(file=io.StringIO())
 
-    def __init__(self) -> None:
+    def __init__(self, tmp_path) -> None:
+        self.stop = StopRequest(0, tmp_path)  # never installed: a test sets its request
         self.engine_version = 0
         self.events: list[tuple[str, float]] = []
         self.generating = threading.Event()
         self.synced_while_generating = False
         self.lock = threading.Lock()
 
-    def stop_requested(self, wait_s: float = 0.0) -> None:
-        return None  # nobody asks these runs to stop
+    def stop_requested(self, wait_s: float = 0.0) -> str | None:
+        return self.stop.requested(wait_s)
 
     def record(self, name: str) -> None:
         with self.lock:
@@ -49,6 +57,10 @@ class RecordingSession:
 
     def engine_metrics(self) -> dict[str, float]:
         return {}
+
+    def save_trainer(self, directory: str) -> list[str]:
+        self.record("save")
+        return []
 
     def sync_weights(self, version: int) -> list[dict[str, float]]:
         self.synced_while_generating |= self.generating.is_set()
@@ -79,7 +91,7 @@ def fake_collect(ctx: RLContext, seconds: dict[str, float], fail_on: int | None 
 
 def context(tmp_path, off_policy_steps: int) -> RLContext:
     return RLContext(
-        session=RecordingSession(),
+        session=RecordingSession(tmp_path),
         algorithm=AlgorithmConfig(n_samples_per_prompt=2, off_policy_steps=off_policy_steps),
         data=DataConfig(),
         prompts=None,
@@ -87,7 +99,9 @@ def context(tmp_path, off_policy_steps: int) -> RLContext:
         rewards=None,
         log=MetricsLog(tmp_path),
         has_teacher=False,
-        engines=None,  # collect is replaced: no engine is reached
+        engines=SimpleNamespace(cancel_all=lambda why: None),  # collect is replaced
+        checkpoints=Checkpoints(tmp_path / "checkpoints", keep_last=0),
+        checkpoint_every=None,
     )
 
 
@@ -131,3 +145,101 @@ def test_a_failing_background_rollout_stops_the_run_with_its_error(tmp_path, mon
         run(ctx, 5, tmp_path)
     # step 1 trained, the rollout of step 3 failed: no sync after the failure
     assert [n for n, _ in ctx.session.events if n.startswith("sync")] == ["sync-1"]
+
+
+# ---- stopping: what a stop abandons, and what it lets finish ------------------------------
+
+
+@pytest.fixture
+def nudgeable():
+    """Rank 0's handler of the watchdog's nudge, as ``StopRequest.install`` sets it (only that
+    one: the test process keeps its own SIGINT and SIGTERM)."""
+    installed = []
+
+    def install(stop: StopRequest) -> None:
+        installed.append(signal.signal(NUDGE, stop._on_nudge))
+
+    yield install
+    for previous in installed:
+        signal.signal(NUDGE, previous)
+
+
+def ask_to_stop_after(ctx: RLContext, event: str, count: int = 1) -> threading.Thread:
+    """Write the STOP file once ``event`` was recorded ``count`` times, then poll as the
+    watchdog does (every 0.1 s here) until the run is over."""
+    session: RecordingSession = ctx.session
+
+    def watch() -> None:
+        while [n for n, _ in session.events].count(event) < count:
+            time.sleep(0.01)
+        (session.stop.stop_file).write_text("a test's request\n")
+        session.asked = time.perf_counter()
+        while not session.finished.is_set():
+            session.stop.poll(HashStore())
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def stopping_run(ctx: RLContext, steps: int) -> JobStopped:
+    session = ctx.session
+    session.finished = threading.Event()
+    try:
+        with pytest.raises(JobStopped) as stopped:
+            run(ctx, steps, ctx.log.path.parent)
+    finally:
+        session.finished.set()
+    session.stop_seconds = time.perf_counter() - session.asked
+    return stopped.value
+
+
+def slow_second_rollout(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
+    if ctx.skipped_prompts == 1:  # the second call: a rollout (or reward) that takes a minute
+        ctx.session.record("slow-rollout-start")
+        time.sleep(60)
+    return fake_collect(ctx, seconds)
+
+
+def test_a_stop_while_the_batch_is_made_abandons_the_step_at_once(tmp_path, monkeypatch, nudgeable):
+    monkeypatch.setattr(loop, "collect", slow_second_rollout)
+    ctx = context(tmp_path, off_policy_steps=0)
+    nudgeable(ctx.session.stop)
+    ask_to_stop_after(ctx, "slow-rollout-start")
+    stopped = stopping_run(ctx, 5)
+    assert stopped.step == 1 and stopped.reason == "a test's request"
+    assert ctx.session.stop_seconds < 5  # not the minute the rollout would take
+    names = [n for n, _ in ctx.session.events]
+    assert names.count("train-start") == 1  # step 2 was not trained ...
+    assert names[-2:] == ["slow-rollout-start", "save"]  # ... step 1 was saved
+    assert ctx.checkpoints.newest()[0] == 1  # the last finished step, saved by the stop
+    end = json.loads((tmp_path / "end.json").read_text())
+    assert end["state"] == "stopped" and end["step"] == 1 and "--resume" in end["resume"]
+
+
+def test_a_stop_while_training_lets_the_step_finish_without_its_sync(
+    tmp_path, monkeypatch, nudgeable
+):
+    monkeypatch.setattr(loop, "collect", fake_collect)
+    ctx = context(tmp_path, off_policy_steps=0)
+    nudgeable(ctx.session.stop)
+    ask_to_stop_after(ctx, "train-start", count=2)
+    stopped = stopping_run(ctx, 5)
+    assert stopped.step == 2  # the step that was training counts ...
+    names = [n for n, _ in ctx.session.events]
+    assert names[-3:] == ["train-start", "train-end", "save"]  # ... saved, not synced
+    assert ctx.checkpoints.newest()[0] == 2
+
+
+def test_off_policy_a_stop_abandons_the_background_rollout_not_the_trained_step(
+    tmp_path, monkeypatch, nudgeable
+):
+    monkeypatch.setattr(loop, "collect", slow_second_rollout)
+    ctx = context(tmp_path, off_policy_steps=1)
+    nudgeable(ctx.session.stop)
+    ask_to_stop_after(ctx, "train-end")  # step 1 trained; step 2's rollout takes a minute
+    stopped = stopping_run(ctx, 5)
+    assert stopped.step == 1 and ctx.session.stop_seconds < 5
+    assert [n for n, _ in ctx.session.events if n.startswith("sync")] == []
+    assert ctx.checkpoints.newest()[0] == 1
