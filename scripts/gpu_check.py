@@ -1,137 +1,313 @@
-"""The GPU check scripts/gpu_check.sh runs once its environment is set up.
+"""The GPU check: what only a GPU can show, sized for one GPU, no network and a few minutes.
 
-usage: python scripts/gpu_check.py GPUS
-1. A torchrun job of configs/gpu_check.yaml (this file is the ranks' program): the trainer's
-   weights synced into the rollout engine, trainer vs engine logprobs on the same tokens, one
-   train step, a second sync, the logprobs again.
-2. ``relax-launch run configs/gpu_check.yaml``: two RL steps through the product's own loop.
-Prints one table; exits 1 on any failure, 2 on a machine with one GPU (the decoupled job needs
-two: NCCL cannot join a trainer and an engine on one GPU until a CUDA IPC transport exists).
-$GPU_CHECK_OVERRIDES (key=value ...) changes the config, e.g. ``cluster.device=cpu`` to try the
-script itself on a machine without GPUs.
+usage: python scripts/gpu_check.py [--device cuda|cpu] [--out TABLE.md]
+
+Parts, each rows of one table (exit 1 if any row fails):
+  device       the GPU seen, its memory, and device binding (platform.bind_device)
+  trainer      the Megatron trainer built from a tiny HF Llama on the device, in fp32 and in
+               bf16: per-token logprobs against transformers on the same device, three train
+               steps that lower the loss, Megatron's model-parallel RNG seeded
+  offload      trainer state (params, grads, optimizer) offloaded: the device memory it held is
+               free (CUDA allocator, or this process's RSS on the CPU), then onloaded bit-exact
+  colocated    the colocated weight transport between two processes on the one device: buckets
+               handed over by CUDA IPC (shared memory on the CPU) into a receiving process's
+               model through the engines' receiver code, every byte checked
+  engines      only where SGLang is installed (it does not fit on a machine without network):
+               a job whose trainer and SGLang rollout engine sync weights and compare logprobs,
+               then two RL steps; elsewhere the row says it did not run
+``--device cpu`` runs the same parts on the CPU (the default tests do: the script cannot rot);
+docs/gpu.md says how to run it on a one-GPU machine and on a full GPU node.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "gpu_check.yaml"
-OVERRIDES = os.environ.get("GPU_CHECK_OVERRIDES", "").split()
-PARITY_TOLERANCE = 1e-3
-SEQUENCES = [  # as many as trainer.micro_batch_size in configs/gpu_check.yaml
-    [1, 504, 3147, 314, 2579, 30, 216, 1343, 28, 940],
-    [1, 28, 32, 34, 36, 38, 40],
-    [1, 1204, 17, 9, 4401, 283, 12, 77],
-    [1, 600, 601, 602, 603, 604],
-]
+sys.path.insert(0, str(REPO))  # the project itself needs no install: its source travels
+SEQUENCES = [[1, 42, 99, 7, 150, 23, 61, 88, 31, 4], [1, 270, 12, 55, 200, 13, 77]]
+TOLERANCE = {"float32": 1e-4, "bfloat16": 6e-2}  # |trainer - transformers| per-token logprob
+Row = tuple[str, str, bool]
 
 
-def parity(session, url: str) -> float:
-    """Largest |trainer - engine| logprob over SEQUENCES (prompt logprobs, the engine's own)."""
-    from relax_launch.trainer.batch import TokenBatch
-    from relax_launch.weights.engine_client import post
+def device_rows(device: str) -> list[Row]:
+    import torch
 
-    trainer = session.logprobs(TokenBatch.next_token(SEQUENCES, [1] * len(SEQUENCES)))
-    worst = 0.0
-    for tokens, row in zip(SEQUENCES, trainer, strict=True):
-        body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0}
-        body["sampling_params"] = {"max_new_tokens": 1, "temperature": 0}
-        engine = post(url, "/generate", body, 120)["meta_info"]["input_token_logprobs"][1:]
-        worst = max(worst, *(abs(e[0] - t) for e, t in zip(engine, row, strict=True)))
-    return worst
+    from relax_launch import platform
 
-
-def sync_program(session) -> dict:
-    """Rank 0's part of step 1."""
-    from relax_launch.trainer.batch import TokenBatch
-
-    url = session.wait_for_engines()["rollout"][0]
-    session.connect_weight_sync()
-    first = session.sync_weights(0)[0]
-    report = {"parity_before": parity(session, url), "sync0": first}
-    report["train"] = session.train_step(TokenBatch.next_token(SEQUENCES, [1] * len(SEQUENCES)))
-    report["sync1"] = session.sync_weights(1)[0]
-    report["parity_after"] = parity(session, url)
-    return report
+    if device == "cpu":
+        return [("device", f"CPU, torch {torch.__version__} (dry run)", True)]
+    if not torch.cuda.is_available():
+        return [("device", f"torch {torch.__version__} sees no CUDA device", False)]
+    platform.bind_device("cuda", 0)
+    props = torch.cuda.get_device_properties(0)
+    bound = torch.cuda.current_device() == 0 and torch.empty(1, device="cuda").device.index == 0
+    gpu = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}"
+    return [("device", gpu, True), ("device binding (local rank 0 -> cuda:0)", "bound", bound)]
 
 
-def rank_main(out: str) -> None:
-    from relax_launch.config import load_config
-    from relax_launch.placement import plan
-    from relax_launch.runtime.job import run_rank
+def trainer_group(device: str):
+    """A one-rank job: torch.distributed, the trainer's groups and Megatron's set-up."""
+    import torch.distributed as dist
 
-    job = load_config(CONFIG, [*OVERRIDES, f"logging.dir={Path(out).parent / 'sync-logs'}"])
-    report = run_rank(job, plan(job), sync_program)
-    if report is not None:
-        Path(out).write_text(json.dumps(report))
+    from relax_launch import platform
+    from relax_launch.inference.process import free_port
+    from relax_launch.placement.plan import TrainerLayout
+    from relax_launch.runtime.groups import build_trainer_groups
 
-
-def run(command: list[str], timeout_s: float) -> tuple[bool, float, str]:
-    start = time.monotonic()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return False, time.monotonic() - start, f"timed out after {timeout_s:.0f} s"
-    return done.returncode == 0, time.monotonic() - start, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def main(gpus: int) -> int:
-    from relax_launch.config import load_config
-    from relax_launch.placement import plan
-    from relax_launch.runtime.launcher import torchrun_command
-
-    if gpus < 2:
-        print("gpu_check: the check needs 2 GPUs (trainer and rollout engine on their own GPU)")
-        return 2
-    rows, failed = [], False
-    work = Path(tempfile.mkdtemp(prefix="relax-gpu-check-"))
-    out = work / "sync.json"
-    command = torchrun_command(
-        Path(__file__), ["--rank", str(out)], plan(load_config(CONFIG, OVERRIDES))
+    backend = platform.dist_backend(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
     )
-    ok, seconds, output = run(command, 600)
-    if not ok:
-        print(output)
-        return 1
-    report = json.loads(out.read_text())
-    for key in ("parity_before", "parity_after"):
-        good = report[key] <= PARITY_TOLERANCE
-        failed |= not good
-        rows.append((f"trainer vs engine logprobs ({key[7:]} a sync)", f"{report[key]:.2e}", good))
-    for key in ("sync0", "sync1"):
-        sync = report[key]
-        gb_per_s = sync["num_bytes"] / sync["seconds"] / 1e9
-        rows.append((f"weight sync v{key[-1]} ({sync['num_bytes'] / 1e6:.0f} MB)",
-                     f"{sync['seconds']:.3f} s, {gb_per_s:.2f} GB/s", True))  # fmt: skip
-    rows.append(("sync job (start to end)", f"{seconds:.0f} s", True))
-    logs = work / "rl-logs"
-    cli = [str(Path(sys.executable).with_name("relax-launch")), "run", str(CONFIG)]
-    ok, seconds, output = run([*cli, *OVERRIDES, f"logging.dir={logs}"], 600)
-    steps = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()] if ok else []
-    failed |= len(steps) != 2
-    rows.append(("RL job, 2 steps (start to end)", f"{seconds:.0f} s", len(steps) == 2))
-    for s in steps:
-        rows.append(
-            (f"  step {s['step']}", f"{s['time/step']:.2f} s, reward {s['reward']:.3f}", True)
+    layout = TrainerLayout(ranks=(0,), tp_size=1, pp_size=1, dp_size=1, phase="train")
+    pgc = build_trainer_groups(layout, backend)
+    platform.prepare_megatron(device, seed=1234)
+    return pgc
+
+
+def hf_logprobs(model_dir: Path, dtype: str, device: str) -> list[list[float]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    rows = []
+    with torch.no_grad():
+        for tokens in SEQUENCES:
+            ids = torch.tensor([tokens], device=device)
+            logits = model(ids).logits.float().log_softmax(-1)[0, :-1]
+            rows.append(logits.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return rows
+
+
+def trainer_rows(device: str, model_dir: Path, pgc, dtype: str) -> tuple[list[Row], object]:
+    import torch
+
+    from relax_launch.trainer.batch import TokenBatch
+    from relax_launch.trainer.config import TrainerConfig
+    from relax_launch.trainer.trainer import Trainer
+
+    section = TrainerConfig(model=str(model_dir), ranks=1, dtype=dtype, micro_batch_size=1, lr=1e-2)
+    trainer = Trainer(section=section, model_dir=model_dir, pgc=pgc, device=device)
+    batch = TokenBatch.next_token(SEQUENCES, [1] * len(SEQUENCES))
+    ours = trainer.logprobs(batch)
+    theirs = hf_logprobs(model_dir, dtype, trainer.torch_device)
+    worst = max(
+        float((torch.tensor(a) - torch.tensor(b)).abs().max())
+        for a, b in zip(ours, theirs, strict=True)
+    )
+    on_device = all(p.device.type == device for p in trainer.model.parameters())
+    losses = [trainer.train_step(batch)["loss"] for _ in range(3)]
+    rows = [
+        (f"trainer {dtype}: logprobs vs transformers", f"{worst:.2e}", worst <= TOLERANCE[dtype]),
+        (f"trainer {dtype}: parameters on {device}", str(on_device), on_device),
+        (
+            f"trainer {dtype}: 3 train steps",
+            "loss " + " > ".join(f"{x:.3f}" for x in losses),
+            losses[2] < losses[0],
+        ),
+    ]
+    if device == "cuda":
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        states = get_cuda_rng_tracker().get_states()
+        seeded = (f"trainer {dtype}: model-parallel RNG seeded", str(sorted(states)), bool(states))
+        rows.append(seeded)
+    return rows, trainer
+
+
+def offload_rows(device: str, trainer) -> list[Row]:
+    """On a GPU the CUDA allocator's count must drop by what was moved; on the CPU the bytes
+    only change places (host to host), so the check is that the state's storages are empty."""
+    import torch
+
+    from relax_launch.trainer.batch import TokenBatch
+
+    batch = TokenBatch.next_token(SEQUENCES, [1] * len(SEQUENCES))
+    before_values = trainer.logprobs(batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    moved = trainer.offload()["bytes"]
+    if device == "cuda":
+        freed = before - torch.cuda.memory_allocated()
+        released = freed >= 0.9 * moved
+        result = f"{moved / 1e6:.1f} MB moved, {freed / 1e6:.1f} MB freed on the GPU"
+    else:
+        left = sum(p.untyped_storage().size() for p in trainer.model.parameters())
+        released = left == 0 and moved > 0
+        result = f"{moved / 1e6:.1f} MB moved, parameter storages left {left} B"
+    trainer.onload()
+    same = trainer.logprobs(batch) == before_values
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return [
+        ("offload: device memory released", result, released),
+        ("onload: logprobs bit-identical", str(same), same),
+    ]
+
+
+def _receive(payloads: mp.Queue, results: mp.Queue, shapes: dict) -> None:
+    """The receiving process: a model of the given shapes on the device, filled by the engines'
+    own receiver code from each handed-over bucket; reports a checksum per tensor."""
+    import torch
+
+    from relax_launch.weights import colocated, receiver
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, shape in shapes.items():
+                self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, device=device)))
+
+    class Updater:  # what receiver.load_bucket reads of SGLang's weight updater
+        def __init__(self) -> None:
+            self.model, self.device = Model(), device
+
+        def get_model(self):
+            return self.model
+
+    updater = Updater()
+    while (payload := payloads.get()) is not None:
+        ok, message = receiver.load_bucket(
+            None,
+            updater,
+            named_tensors=colocated.taken_over(payload),
+            load_format=receiver.IN_PLACE,
         )
-    print(f"\n{'check':<48} {'result':<28} ok")
-    for name, value, good in rows:
-        print(f"{name:<48} {value:<28} {'yes' if good else 'NO'}")
+        results.put(message)
+    sums = {n: float(p.detach().double().sum()) for n, p in updater.model.named_parameters()}
+    results.put(json.dumps(sums))
+
+
+def colocated_rows(device: str) -> list[Row]:
+    """Two buckets' worth of tensors handed to a second process, as BucketSender does."""
+    import torch
+
+    from relax_launch.weights import colocated
+
+    torch.manual_seed(0)
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    weights = {f"w{i}": torch.randn(256, 1024, device=where) for i in range(8)}  # 8 MiB
+    shapes = {n: list(t.shape) for n, t in weights.items()}
+    context = mp.get_context("spawn")
+    payloads, results = context.Queue(), context.Queue()
+    process = context.Process(target=_receive, args=(payloads, results, shapes))
+    process.start()
+    began, reports = time.monotonic(), []
+    half = len(weights) // 2
+    for number, names in enumerate((list(weights)[:half], list(weights)[half:])):
+        nbytes = sum(weights[n].numel() * 4 for n in names)
+        if device == "cuda":
+            bucket = handle = torch.empty(nbytes, dtype=torch.uint8, device=where)
+        else:  # as BucketSender does on the CPU: a file in /dev/shm, mapped by both sides
+            path = f"{colocated.SHM_DIR}/relax-launch-gpu-check-{os.getpid()}-{number}"
+            Path(path).write_bytes(b"")
+            os.truncate(path, nbytes)
+            bucket, handle = colocated.shared_file(path, nbytes), (path, nbytes)
+        layout, offset = [], 0
+        for name in names:
+            size = weights[name].numel() * 4
+            bucket[offset : offset + size].view(torch.float32).view(shapes[name]).copy_(
+                weights[name]
+            )
+            layout.append((name, "float32", shapes[name], offset))
+            offset += size
+        payloads.put(colocated.handover(handle, layout))
+        reports.append(results.get(timeout=120))  # the bucket lives until its load is done
+        if device == "cpu":
+            os.unlink(path)
+    payloads.put(None)
+    sums = json.loads(results.get(timeout=120))
+    process.join(60)
+    seconds = time.monotonic() - began
+    exact = all(abs(sums[n] - float(t.double().sum())) < 1e-6 for n, t in weights.items())
+    in_place = all('"staged": 0' in r for r in reports)
+    how = "CUDA IPC" if device == "cuda" else "shared memory"
+    return [
+        (f"colocated transport ({how}, 2 processes)", f"{len(weights)} tensors, {seconds:.2f} s",
+         exact and process.exitcode == 0),
+        ("colocated transport: into the parameters", reports[-1].split("receiver: ")[-1], in_place),
+    ]  # fmt: skip
+
+
+def engine_rows(device: str, work: Path) -> list[Row]:
+    """The engine parts, where SGLang is installed: the sync-and-parity job, then RL steps."""
+    if importlib.util.find_spec("sglang") is None:
+        return [("engines", "not run: SGLang is not installed here", True)]
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 2
+    config = REPO / "configs" / "gpu_check.yaml"
+    overrides = [] if device == "cuda" else ["cluster.device=cpu"]
+    if gpus < 2:  # trainer and engine share the GPU: colocated, weights over CUDA IPC
+        overrides += ["cluster.nproc_per_node=1", "placement.mode=split", "trainer.ranks=null"]
+    cli = [str(Path(sys.executable).with_name("relax-launch")), "run", str(config)]
+    logs = work / "rl-logs"
+    began = time.monotonic()
+    done = subprocess.run(
+        [*cli, *overrides, f"logging.dir={logs}"], capture_output=True, text=True, timeout=600
+    )
+    seconds = time.monotonic() - began
+    metrics = logs / "metrics.jsonl"
+    steps = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    rows = [("engines: RL job, 2 steps", f"{seconds:.0f} s", len(steps) == 2)]
+    for step in steps:
+        rows.append(
+            (f"  step {step['step']}", f"reward {step['reward']:.3f}, {step['time/step']:.1f} s",
+             True)
+        )  # fmt: skip
     if len(steps) != 2:
-        print(output)
-    print(f"\ngpu_check: {'FAILED' if failed else 'passed'} (logs: {work})")
+        print(done.stdout[-3000:] + done.stderr[-3000:])
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", type=Path, help="also write the table here (Markdown)")
+    parser.add_argument("--no-engines", action="store_true", help="skip the engine parts")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    warnings.simplefilter("ignore")  # libraries' notes (no Apex, no Transformer Engine)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from relax_launch.models.build import ensure_model
+
+    began = time.monotonic()
+    rows = device_rows(args.device)
+    if all(ok for _, _, ok in rows):
+        model_dir = ensure_model("builtin:tiny-llama")
+        pgc = trainer_group(args.device)
+        for dtype in ("float32", "bfloat16"):
+            trainer_part, trainer = trainer_rows(args.device, model_dir, pgc, dtype)
+            rows += trainer_part
+        rows += offload_rows(args.device, trainer)
+        del trainer
+        rows += colocated_rows(args.device)
+        if not args.no_engines:
+            rows += engine_rows(args.device, Path(tempfile.mkdtemp(prefix="relax-gpu-check-")))
+    rows.append(("whole check", f"{time.monotonic() - began:.0f} s", True))
+    table = ["| check | result | ok |", "|---|---|---|"]
+    table += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in rows]
+    print("\n".join(table))
+    if args.out:
+        args.out.write_text("\n".join(table) + "\n")
+    failed = [name for name, _, ok in rows if not ok]
+    print(f"\ngpu_check: {'FAILED: ' + ', '.join(failed) if failed else 'passed'}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--rank":
-        rank_main(sys.argv[2])
-    else:
-        sys.exit(main(int(sys.argv[1])))
+    sys.exit(main())

@@ -43,7 +43,8 @@ def _serve(model: Path, log_dir: Path, max_total_tokens: int) -> Iterator[SGLang
         model_path=model,
         device="cpu",
         log_path=log_dir / "sglang.log",
-        engine={"max_total_tokens": max_total_tokens, "random_seed": 0},
+        # fp32, as a job's engines with an fp32 trainer: synced weights land in place
+        engine={"max_total_tokens": max_total_tokens, "random_seed": 0, "dtype": "float32"},
     )
     server.start(timeout_s=ENGINE_START_TIMEOUT_S)
     try:

@@ -5,7 +5,7 @@ any failed transition -> FAILED (admission closed until an onload succeeds); shu
 Operations are idempotent and serialised; snapshots are read without waiting for them. A
 rollout model is published READY only once its weights are valid (after the first weight sync,
 and again after a sync that follows an offload of its weights) and never while a sync is in
-flight.
+flight, nor after one failed for good (its engines may hold parts of two versions).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class InferenceManager:
         self.weights_valid = weight_source is WeightSource.STATIC
         self.weight_version: str | None = None
         self.updating = False
+        self.weights_lost_why = ""  # why the last sync left the weights unfit to serve
         self._operation = threading.RLock()  # serialises transitions
         self._fields = threading.Lock()  # guards what snapshots read
         self._revision, self._published = 0, None
@@ -101,11 +102,13 @@ class InferenceManager:
             self._fail(f"engines {stale} do not serve weight_version {version} after the sync")
         with self._fields:
             self.updating, self.weights_valid, self.weight_version = False, True, str(version)
+            self.weights_lost_why = ""
 
-    def weights_failed(self) -> None:
-        """A sync failed and was rolled back: readiness returns to what it was before."""
+    def weights_lost(self, why: str) -> None:
+        """A sync failed for good: the engines may hold parts of two versions, so the model is
+        not routable until a later sync commits (its weight version stays the last whole one)."""
         with self._fields:
-            self.updating = False
+            self.updating, self.weights_valid, self.weights_lost_why = False, False, why
 
     # ---- engines that die and come back (fault_tolerant) ---------------------------------
 

@@ -9,8 +9,7 @@ from typing import Any
 
 from relax_launch import http, platform
 from relax_launch.inference.process import OwnedProcess
-
-RECEIVER_PLUGIN = "relax_launch_weights"  # setup.py's sglang.srt.plugins entry point
+from relax_launch.weights.receiver import RECEIVER_PLUGIN
 
 
 def engine_cli_args(engine: dict[str, Any]) -> list[str]:
@@ -102,6 +101,8 @@ class SGLangServer(OwnedProcess):
             # where this node's TP workers are reached by the other nodes' (SGLang's message
             # queues otherwise guess it from the hostname or a route to a public DNS server)
             env["SGLANG_HOST_IP"] = self.host
-        if env.get("SGLANG_PLUGINS"):  # a whitelist of plugins must keep weight sync's receiver
+        # a whitelist of plugins in the environment keeps weight sync's receiver (a list given
+        # to this server itself is taken as it is)
+        if env.get("SGLANG_PLUGINS") and "SGLANG_PLUGINS" not in self.extra_env:
             env["SGLANG_PLUGINS"] += "," + RECEIVER_PLUGIN
         return env

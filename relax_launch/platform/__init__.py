@@ -172,9 +172,3 @@ def release_cached_memory(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def colocated_weight_transport(device: Device) -> str:
-    """How weights reach engines on the trainer's own host (split, defer): a shared-memory file
-    on the CPU; on GPUs the broadcast until a CUDA IPC transport exists."""
-    return "shared_memory" if device == "cpu" else "broadcast"

@@ -102,15 +102,11 @@ class RolloutMembership:
         self.synced = members
         return members if changed else None
 
-    def drop_dead(self) -> list[int]:
-        """After a failed sync: the serving engines that do not answer ``/health`` leave
-        routing; returns their indices."""
-        dead, serving = [], {e.engine_id for e in self.manager.serving()}
-        for index, engine in enumerate(self.manager.engines):
-            if engine.engine_id in serving and not _healthy(engine.url):
-                self.manager.engine_lost(engine.engine_id, "it died during a weight sync")
-                dead.append(index)
-        return dead
+    def drop(self, dead: list[int], why: str) -> None:
+        """Engines (indices) found dead during a sync leave routing until they come back."""
+        for index in dead:
+            self.manager.engine_lost(self.manager.engines[index].engine_id, why)
+        self.synced = tuple(i for i in (self.synced or ()) if i not in dead)
 
     def describe(self, members: tuple[int, ...], weight_version: int) -> str:
         """The operator's line when the engines of the next sync changed."""
@@ -132,7 +128,8 @@ class RolloutMembership:
         return int(self.store.get(key)) if self.store.check([key]) else 0
 
 
-def _healthy(url: str, timeout_s: float = 2.0) -> bool:
+def engine_alive(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the engine at ``url`` answers ``/health``."""
     try:
         get_json(url, "/health", timeout_s)
         return True

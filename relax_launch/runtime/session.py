@@ -20,7 +20,7 @@ from relax_launch.placement.render import roles_label
 from relax_launch.runtime.console import operator_log
 from relax_launch.runtime.control import Command, ControlChannel, Handler, RemoteError, Shutdown
 from relax_launch.runtime.distributed import ShardChannel
-from relax_launch.runtime.engine_restart import RolloutMembership
+from relax_launch.runtime.engine_restart import RolloutMembership, engine_alive
 from relax_launch.runtime.startup import (
     FIRST_SYNC,
     SYNC_GROUPS,
@@ -31,14 +31,12 @@ from relax_launch.runtime.startup import (
 )
 from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.workers import (
-    CommitWeights,
     ConnectWeights,
     EngineUrl,
     LoadTrainer,
     Logprobs,
     OffloadTrainer,
     OnloadTrainer,
-    RestoreWeights,
     SaveTrainer,
     SendWeights,
     TrainStep,
@@ -60,6 +58,9 @@ if TYPE_CHECKING:
 # A rank's own deadline error names what it waited for; the channel's reply timeout, a little
 # later, only that the rank did not answer.
 REPLY_MARGIN_S = 10.0
+# After a failed send, how long an engine may take to answer /health before it counts as dead
+# (a live one is freed from the broken broadcast within a second or two).
+REPAIR_HEALTH_S = 15.0
 
 
 class TrainerClient:
@@ -243,90 +244,108 @@ class Session:
         return self.membership.metrics() if self.membership is not None else {}
 
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
-        """``sync_once``; under ``rollout.fault_tolerance`` it syncs the engines that serve, and
-        once more without any engine that died during the sync."""
-        if self.membership is None:
-            return self.sync_once(weight_version)
-        try:
-            return self._sync_serving(weight_version)
-        except (WeightSyncError, EngineRequestError, RemoteError) as exc:
-            if not (dead := self.membership.drop_dead()):
-                raise
-            operator_log().warning(
-                f"relax-launch: rollout engines {dead} died during the sync to version "
-                f"{weight_version} ({type(exc).__name__}); syncing again without them"
-            )
-        return self._sync_serving(weight_version)
+        """Push the trainer's weights to every rollout engine in routing as ``weight_version``,
+        each engine whole: the rollout model is not routable from the start of the sync until
+        every engine holds the new version.
 
-    def _sync_serving(self, weight_version: int) -> list[dict[str, Any]]:
-        if members := self.membership.before_sync():  # engines died or came back
-            operator_log().warning(self.membership.describe(members, weight_version))
-            self.connect_weight_sync(members)
-        return self.sync_once(weight_version)
-
-    def sync_once(self, weight_version: int) -> list[dict[str, Any]]:
-        """Push the trainer's weights to every rollout engine as ``weight_version``, all or
-        nothing, within ``weight_sync.timeout_s`` for the whole sync: one update session per
-        engine, every pipeline stage streams into it with one request per engine that sets the
-        version and flushes the prefix cache; if any stage fails, every stage restores the last
-        committed copy.
-
-        The rollout model is not routable while the sync runs; it is once every engine serves
-        the new version, and a failed (restored) sync leaves readiness as it was before.
+        A send that fails may have written part of the engines' parameters (they receive in
+        place). They stay out of routing (requests get 503 with Retry-After) while the same
+        version is sent once more, in a new broadcast group: the trainer's parameters have not
+        changed. Under ``rollout.fault_tolerance`` the engines that died are left out of it
+        (they serve again once restarted and synced); without it a dead engine ends the job.
+        If the second send fails too, the rollout model stays closed and the error names the
+        engines that may hold mixed weights. Returns each pipeline stage's report; a repaired
+        sync's carry ``repaired: 1``.
         """
         rollout = self.control_plane.managers.get("rollout") if self.control_plane else None
-        replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
-        deadline = Deadline(self.weight_sync_timeout_s)
-        engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
         if rollout is not None:
             rollout.weights_updating()
         try:
-            began = time.monotonic()
-            try:
-                engines.open()
-                control_s = time.monotonic() - began
-                replies = self._send_or_restore(replica0, deadline, weight_version)
-            except BaseException:
-                with contextlib.suppress(EngineRequestError, WeightSyncError):
-                    engines.close()  # on every engine it opened on; keep the sync's own error
-                raise
-            began = time.monotonic()
-            engines.close()
-            control_s += time.monotonic() - began
-            self._call(CommitWeights(), replica0)
-        except BaseException:
+            reports = self._sync_whole(weight_version)
+        except BaseException as exc:
             if rollout is not None:
-                rollout.weights_failed()
+                rollout.weights_lost(f"the sync to version {weight_version} failed: {exc}")
             raise
         if rollout is not None:
             rollout.weights_committed(weight_version)
         self.weight_version = weight_version
-        return [{**r, "control_s": control_s} for r in replies.values() if r is not None]
+        return reports
 
-    def _send_or_restore(
-        self, replica0: list[int], deadline: Deadline, weight_version: int
-    ) -> dict[int, Any]:
+    def _sync_whole(self, weight_version: int) -> list[dict[str, Any]]:
+        if self.membership is not None and (members := self.membership.before_sync()):
+            operator_log().warning(self.membership.describe(members, weight_version))
+            self.connect_weight_sync(members)  # engines died or came back
         try:
-            return self._stage_by_stage(
+            return self.sync_once(weight_version)
+        except (WeightSyncError, EngineRequestError, RemoteError) as exc:
+            failed = exc
+        members = self._engines_to_repair(weight_version, failed)
+        operator_log().warning(
+            f"relax-launch: the sync to version {weight_version} failed ({_first_line(failed)});"
+            f" rollout engines {list(members)} stay out of routing while the same version is "
+            "sent again"
+        )
+        self.connect_weight_sync(members)
+        try:
+            reports = self.sync_once(weight_version)
+        except (WeightSyncError, EngineRequestError, RemoteError) as again:
+            labels = ", ".join(t.label for t in self.sync_targets)
+            raise WeightSyncError(
+                f"weight sync to version {weight_version} failed ({_first_line(failed)}) and "
+                f"sending it again failed ({_first_line(again)}): {labels} may hold mixed "
+                "weights and stay out of routing"
+            ) from again
+        return [{**report, "repaired": 1} for report in reports]
+
+    def _engines_to_repair(self, weight_version: int, failed: BaseException) -> tuple[int, ...]:
+        """The rollout engines the repairing send goes to: those of the failed sync, less the
+        ones that died (fault tolerance); a dead engine without it ends the job here. An engine
+        is dead when it does not answer ``/health``: a stopped process refuses at once, while a
+        live one freed from the failed broadcast answers within ``REPAIR_HEALTH_S``."""
+        engines = range(len(self.plan.engines_of("rollout")))
+        synced = self.membership.synced if self.membership is not None else None
+        members = tuple(synced if synced is not None else engines)
+        urls = self.engine_urls["rollout"]
+        dead = [i for i in members if not engine_alive(urls[i], REPAIR_HEALTH_S)]
+        if dead and self.membership is None:
+            raise WeightSyncError(
+                f"weight sync to version {weight_version} failed: rollout engines {dead} died "
+                f"during it ({_first_line(failed)}); with rollout.fault_tolerance=true the "
+                "others would take the version and the job go on"
+            ) from failed
+        if dead:
+            self.membership.drop(dead, f"it died during the sync to version {weight_version}")
+            members = tuple(i for i in members if i not in dead)
+        if not members:
+            raise WeightSyncError(
+                f"weight sync to version {weight_version} failed and no rollout engine is left "
+                f"to take it: {_first_line(failed)}"
+            ) from failed
+        return members
+
+    def sync_once(self, weight_version: int) -> list[dict[str, Any]]:
+        """One send of the trainer's weights to the engines of the current broadcast groups as
+        ``weight_version``, within ``weight_sync.timeout_s``: one update session per engine,
+        every pipeline stage streams into it with one request per engine that sets the version
+        and flushes the prefix cache (``sync_weights`` keeps the engines out of routing)."""
+        replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
+        deadline = Deadline(self.weight_sync_timeout_s)
+        engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
+        began = time.monotonic()
+        try:
+            engines.open()
+            control_s = time.monotonic() - began
+            replies = self._stage_by_stage(
                 lambda left: SendWeights(weight_version, left), replica0, deadline, "sending"
             )
-        except (RemoteError, RuntimeError) as cause:
-            failed = f"weight sync to version {weight_version} failed ({cause})"
-            previous = self.weight_version
-            try:
-                restored = previous is not None and any(
-                    self._stage_by_stage(
-                        lambda left: RestoreWeights(previous, left), replica0, deadline, "restoring"
-                    ).values()
-                )
-            except (RemoteError, RuntimeError) as again:
-                raise WeightSyncError(
-                    f"{failed} and restoring version {previous} failed too "
-                    f"({again}): engines hold mixed weights"
-                ) from cause
-            if not restored:
-                raise WeightSyncError(f"{failed}; no earlier version to restore") from cause
-            raise WeightSyncError(f"{failed}; engines restored to version {previous}") from cause
+        except BaseException:
+            with contextlib.suppress(EngineRequestError, WeightSyncError):
+                engines.close()  # on every engine it opened on; keep the sync's own error
+            raise
+        began = time.monotonic()
+        engines.close()
+        control_s += time.monotonic() - began
+        return [{**r, "control_s": control_s} for r in replies.values() if r is not None]
 
     def _stage_by_stage(
         self,
@@ -392,3 +411,8 @@ def bring_up(session: Session, weight_version: int = 0) -> dict[str, Any]:
         line += f"; weights v{weight_version} synced ({reports[0]['transport']}, {seconds:.2f} s)"
     operator_log().info(f"{line}; {summary_line(startup)}")
     return summary
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

@@ -24,7 +24,7 @@ from relax_launch.runtime.control import Command, Handler
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.trainer.batch import ShardShape
 from relax_launch.trainer.losses import LossSpec
-from relax_launch.weights.shared_memory import SharedMemorySender
+from relax_launch.weights.colocated import BucketSender
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import EngineTarget
 
@@ -96,18 +96,6 @@ class SendWeights(Command):
 
 
 @dataclass(frozen=True)
-class CommitWeights(Command):
-    op: ClassVar[str] = "weights.commit"
-
-
-@dataclass(frozen=True)
-class RestoreWeights(Command):
-    op: ClassVar[str] = "weights.restore"
-    weight_version: int
-    seconds_left: float
-
-
-@dataclass(frozen=True)
 class EngineUrl(Command):
     """The URL of an engine's server, once it has generated a token."""
 
@@ -136,20 +124,16 @@ class TrainerWorker:
             TrainStep.op: self.train_step,
             Logprobs.op: self.logprobs,
             SaveTrainer.op: lambda c: self.trainer.save(Path(c.directory)),
-            LoadTrainer.op: lambda c: self._changing_weights(self.trainer.load, Path(c.directory)),
-            OffloadTrainer.op: self.offload,
+            LoadTrainer.op: lambda c: self.trainer.load(Path(c.directory)),
+            OffloadTrainer.op: lambda c: self.trainer.offload(c.parts),
             OnloadTrainer.op: lambda c: self.trainer.onload(c.parts),
             ConnectWeights.op: self.connect,
             SendWeights.op: self.send,
-            CommitWeights.op: lambda c: self.sender and self.sender.commit(),
-            RestoreWeights.op: lambda c: bool(
-                self.sender and self.sender.restore(c.weight_version, c.seconds_left)
-            ),
         }
 
     def train_step(self, command: TrainStep) -> dict[str, float]:
         shard = self.shards.receive(command.shapes[self.shards.dp_rank])
-        return self._changing_weights(self.trainer.train_step, shard, command.spec)
+        return self.trainer.train_step(shard, command.spec)
 
     def logprobs(self, command: Logprobs) -> None:
         """This shard's per-token logprobs go to rank 0 over the shard channel, not the reply."""
@@ -161,35 +145,16 @@ class TrainerWorker:
         finally:  # rank 0 waits for them whatever happened
             self.shards.send_result(rows, shape)
 
-    def offload(self, command: OffloadTrainer) -> dict[str, float]:
-        """Offload; the parameters only once the rollback copy no longer reads them."""
-        if "params" in command.parts:
-            return self._changing_weights(self.trainer.offload, command.parts)
-        return self.trainer.offload(command.parts)
-
-    def _changing_weights(self, method: Any, *args: Any) -> Any:
-        """Run a command that changes the parameters once the last sync's rollback copy, which
-        reads them in the background, is done."""
-        if self.sender is not None:
-            self.sender.wait_for_rollback_copy()
-        return method(*args)
-
     def connect(self, command: ConnectWeights) -> None:
         """Form this stage's broadcast group with every rollout engine worker. ``fused``: the
         engines hold q/k/v and gate/up fused (one engine TP rank), so they are sent that way.
-        ``colocated``: the engines share this rank's host (split, defer), so the platform may
-        choose a transport that skips the network."""
+        ``colocated``: the engines share this rank's host and device (split, defer): the
+        weights go by ``torch.multiprocessing`` handles instead (``weights/colocated.py``)."""
         self.fused = command.fused
         self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(self.fused)]
-        committed = []
         if self.sender is not None:  # engines died or came back: the old group goes
-            committed = self.sender.committed  # still the rollback copy of the live engines
             self.sender.close()
-        shared = (
-            command.colocated
-            and platform.colocated_weight_transport(self.device) == "shared_memory"
-        )
-        self.sender = (SharedMemorySender if shared else WeightSender)(
+        self.sender = (BucketSender if command.colocated else WeightSender)(
             targets=list(command.targets),
             world_size=command.world_size,
             group_name=f"relax-weights-pp{command.pp_rank}-{command.generation}",
@@ -197,7 +162,6 @@ class TrainerWorker:
             port=free_port(self.host),
             backend=platform.dist_backend(self.device),
         )
-        self.sender.committed = committed
         self.sender.connect(command.seconds_left)
 
     def send(self, command: SendWeights) -> dict[str, Any] | None:

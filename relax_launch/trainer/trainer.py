@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from relax_launch.trainer.model import (
 )
 from relax_launch.trainer.offload import PARTS, StateOffloader
 
+GATHERS_IN_FLIGHT = 2  # TP gathers of the export started ahead of the tensor being sent
 SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
 PER_TOKEN = {  # token sums reported as per-token means, under these names
     "clipped": "clip_fraction",
@@ -268,19 +270,38 @@ class Trainer:
     def _export_hf_weights(self, fused: bool) -> Iterator[tuple[str, torch.Tensor]]:
         if self.pgc.dp.rank() != 0:
             return
-        tp = self.pgc.tp
         offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
+        gathering: deque[tuple[str, Any]] = deque()  # TP gathers in flight, in order
         for name, param in self.model.module.named_parameters():
-            dim = tp_split_dim(name)
-            full = param.detach()
-            if dim is not None and tp.size() > 1:
-                parts = [torch.empty_like(full) for _ in range(tp.size())]
-                dist.all_gather(parts, full.contiguous(), group=tp)
-                full = torch.cat(parts, dim=dim)
-            if tp.rank() == 0:
-                yield from megatron_to_hf(
-                    name, full, self.shape, tp_size=tp.size(), layer_offset=offset, fused=fused
-                )
+            gathering.append((name, self._start_gather(name, param.detach())))
+            if len(gathering) > GATHERS_IN_FLIGHT:  # the next ones gather while it is sent
+                yield from self._converted(*gathering.popleft(), offset, fused)
+        while gathering:
+            yield from self._converted(*gathering.popleft(), offset, fused)
+
+    def _start_gather(self, name: str, local: torch.Tensor) -> Any:
+        """An asynchronous all-gather of a TP-sharded parameter (its shards and the pending
+        work), or the parameter itself when it is not sharded."""
+        tp, dim = self.pgc.tp, tp_split_dim(name)
+        if dim is None or tp.size() == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(tp.size())]
+        return parts, dim, dist.all_gather(parts, local.contiguous(), group=tp, async_op=True)
+
+    def _converted(
+        self, name: str, gathered: Any, offset: int, fused: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameter ``name`` in HF layout, once its gather is done (on TP rank 0 only)."""
+        tp = self.pgc.tp
+        full = gathered
+        if isinstance(gathered, tuple):
+            parts, dim, work = gathered
+            work.wait()
+            full = torch.cat(parts, dim=dim)
+        if tp.rank() == 0:
+            yield from megatron_to_hf(
+                name, full, self.shape, tp_size=tp.size(), layer_offset=offset, fused=fused
+            )
 
     def export_manifest(self, fused: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every tensor ``export_hf_weights(fused)`` yields, in order,

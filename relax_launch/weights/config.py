@@ -13,6 +13,7 @@ class WeightSyncConfig(Section):
     timeout_s: float = Field(
         300.0,
         gt=0,
-        description="Deadline of one whole sync; past it the sync fails and "
-        "engines keep serving the previous weight_version.",
+        description="Deadline of one send of the weights to every engine; past it the send "
+        "fails, the engines stay out of routing and the same version is sent once more (a "
+        "second failure ends the job).",
     )

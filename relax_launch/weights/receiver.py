@@ -1,21 +1,31 @@
-"""The engine's side of weight sync: broadcasts land straight in the model's parameters.
+"""The engine's side of weight sync: the new weights land straight in the model's parameters.
 
 SGLang's own receive allocates a fresh tensor per name for every sync and then copies every
-byte again in ``model.load_weights``. This module is an SGLang plugin (entry point group
-``sglang.srt.plugins`` in ``setup.py``; SGLang loads it in each of its processes) that adds one
-``load_format``, ``IN_PLACE``, to ``update_weights_from_distributed``:
+byte again in ``model.load_weights``. This module is an SGLang plugin (entry point
+``RECEIVER_PLUGIN`` of group ``sglang.srt.plugins`` in ``setup.py``; SGLang loads it in each of
+its processes) that adds one ``load_format``, ``IN_PLACE``, to two update routes:
 
-- a tensor whose name, shape and dtype are those of a parameter of this engine rank (the sender
-  uses the engine's fused layout when the engine has one TP rank) is broadcast into the
-  parameter itself: no allocation, no second copy;
-- any other tensor (dtype conversion, an engine TP shard, a layout SGLang must reshape) is
-  received into a staging buffer kept for the next sync and handed to ``load_weights`` as usual;
-- tensors under ``PACK_BELOW`` bytes travel together in one broadcast per dtype
-  (``broadcast_plan``) and are copied out of it.
+- ``update_weights_from_distributed`` (a broadcast from the trainer): a tensor whose name, shape
+  and dtype are those of a parameter of this engine rank (the sender uses the engine's fused
+  layout when the engine has one TP rank) is broadcast into the parameter itself: no
+  allocation, no second copy. Any other tensor (dtype conversion, an engine TP shard, a layout
+  SGLang must reshape) is received into a staging buffer kept for the next sync and handed to
+  ``load_weights`` as usual. Tensors under ``PACK_BELOW`` bytes travel together in one broadcast
+  per dtype (``broadcast_plan``) and are copied out of it.
+- ``update_weights_from_tensor`` (trainer and engine on one host, ``split``/``defer``): the
+  request names one bucket of the export, a CUDA tensor shared by IPC or a CPU file in
+  ``/dev/shm`` (``colocated.py``); each tensor is copied out of the bucket into its parameter,
+  or handed to ``load_weights`` where layouts differ.
 
-For trainer and engine on one host (``split``, ``defer``), ``update_weights_from_tensor`` with
-``load_format`` ``SHARED_FILE`` carries no tensors, only a shared file's path and layout
-(``shared_memory.py``): the engine maps the file once and copies each tensor into its parameter.
+Senders first ask each engine whether this plugin is loaded (``RECEIVER_PROBE``, a weight name
+only it answers): without it an engine would misread the packed broadcasts and the buckets,
+and crash. Every update answered this way carries a report (``RECEIVER_REPORT`` then JSON, in
+the reply's message): tensors received straight into their parameter (``in_place``), copied into
+it from a shared buffer (``copied``: the pack of small ones, a colocated bucket) or staged for
+``load_weights`` (``staged``, with their bytes), the staging buffers this update allocated, and
+the parameters that no longer sit where they sat at the first update (``moved``, always 0:
+nothing here replaces a parameter's storage). The sender reads it: at every sync, the proof that
+the weights went into the parameters.
 
 Requests with any other ``load_format`` run SGLang's code unchanged, so the plugin is inert for
 engines that are not relax-launch's.
@@ -23,21 +33,40 @@ engines that are not relax-launch's.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 IN_PLACE = "relax_in_place"
+RECEIVER_PLUGIN = "relax_launch_weights"  # its entry point's name (setup.py)
+RECEIVER_REPORT = "relax-launch receiver: "  # then the report, as JSON, in the reply's message
 PACK_BELOW = 1 << 16  # bytes: smaller tensors share one broadcast
-SHARED_FILE = "relax_shared_file"
-UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+ABORT_KEY = "relax_launch/abort"  # set in a broadcast group's store when its sender gives up
+WATCH_S = 1.0  # how often a waiting receive looks for it
+RECEIVER_PROBE = "relax_launch.receiver"  # a weight name only this plugin answers
+COMPONENTS = "sglang.srt.model_executor.model_runner_components"
+UPDATER = f"{COMPONENTS}.weight_updater.WeightUpdater"
+EXPORTER = f"{COMPONENTS}.weight_exporter.WeightExporter"
 
 
 def register() -> None:
-    """SGLang plugin entry point: wrap the distributed receive (applied by SGLang's registry)."""
+    """SGLang plugin entry point: wrap the update routes (applied by SGLang's registry)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{UPDATER}.receive_weights_from_distributed", receive, HookType.AROUND)
+    HookRegistry.register(f"{UPDATER}.load_weights_from_distributed", reported, HookType.AROUND)
+    HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_bucket, HookType.AROUND)
+    HookRegistry.register(f"{EXPORTER}.get_weights_by_name", answer_probe, HookType.AROUND)
     HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_shared, HookType.AROUND)
+
+
+def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``/get_weights_by_name`` of ``RECEIVER_PROBE``: this plugin says it is loaded (a stock
+    engine answers that it has no such weight). Senders ask before any update: an engine
+    without the receiver would misread their packed broadcasts and buckets, and crash."""
+    if name == RECEIVER_PROBE:
+        return [RECEIVER_REPORT.strip(), "ready"]
+    return original(exporter, name, *args, **kwargs)
 
 
 def receive(original: Any, updater: Any, **request: Any) -> list:
@@ -48,6 +77,7 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
 
     group = updater._model_update_group[request["group_name"]]
     state = _receiver_state(updater)
+    report = state.begin()
     names, dtypes, shapes = request["names"], request["dtypes"], request["shapes"]
     alone, packed = broadcast_plan(dtypes, shapes)
     staged, pending, packs = [], [], []
@@ -68,7 +98,8 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
     # to get round to the next tensor.
     works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in pending]
     for work in works:
-        work.wait()
+        wait_unless_aborted(work, group)
+    copied = 0
     for pack, indices in packs:
         offset = 0
         for i in indices:
@@ -79,7 +110,99 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
                 staged.append((names[i], piece))
             else:
                 destination.copy_(piece)
+                copied += 1
+    report.count(len(names), staged, copied)
     return staged
+
+
+def wait_unless_aborted(work: Any, group: Any) -> None:
+    """Wait for one broadcast, until the sender gives up the sync (it sets ``ABORT_KEY`` in the
+    group's store, or is gone with it): then raise, so this engine is free again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._world.pg_map[group][1]
+    while True:
+        try:
+            work.wait(timedelta(seconds=WATCH_S))
+            return
+        except RuntimeError:
+            if work.is_completed():  # it failed, rather than timed out
+                raise
+        try:
+            aborted = store.check([ABORT_KEY])
+        except Exception as exc:  # noqa: BLE001 - the store went with the sender
+            raise RuntimeError(f"the weight sender is gone: {exc}") from exc
+        if aborted:
+            raise RuntimeError("the weight sender gave up this sync")
+
+
+def reported(original: Any, updater: Any, named_tensors: list) -> tuple[bool, str]:
+    """``load_weights_from_distributed`` (the staged tensors), and this update's report."""
+    success, message = original(updater, named_tensors)
+    return success, _receiver_state(updater).finish(message)
+
+
+def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:
+    """Load one bucket of a colocated update (``colocated.py``): the payload is the bucket (a
+    CUDA tensor shared by IPC, or a CPU shared file's ``(path, size)``, mapped once) and its
+    layout; each tensor is copied out of it into its parameter."""
+    if request.get("load_format") != IN_PLACE:
+        return original(updater, **request)
+    import torch
+
+    handle, entries = request["named_tensors"]
+    state = _receiver_state(updater)
+    bucket = handle if isinstance(handle, torch.Tensor) else state.mapping(*handle)
+    report = state.begin()
+    staged = []
+    for name, dtype_name, shape, offset in entries:
+        dtype = getattr(torch, dtype_name)
+        source = bucket[offset : offset + nbytes(dtype_name, shape)].view(dtype).view(shape)
+        destination = state.direct(name, dtype, shape)
+        if destination is None:
+            staged.append((name, source.to(updater.device)))
+        else:
+            destination.copy_(source, non_blocking=True)
+    report.count(len(entries), staged, len(entries) - len(staged))
+    if staged:
+        updater.get_model().load_weights(staged)
+    if bucket.is_cuda:  # the trainer reuses the bucket once this answer reaches it
+        torch.cuda.current_stream(bucket.device).synchronize()
+    return True, state.finish("Success")
+
+
+SHARED_FILE = "relax_shared_file"  # TEMPORARY: the old colocated transport, for the bench
+
+
+def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:
+    """TEMPORARY (bench): load one update from a shared file (``shared_memory.py``)."""
+    if request.get("load_format") != SHARED_FILE:
+        return original(updater, **request)
+    import torch
+
+    path, entries = request["named_tensors"]
+    state = _receiver_state(updater)
+    report = state.begin()
+    if path not in state.files:
+        _, dtype, shape, offset = entries[-1]
+        size = offset + nbytes(dtype, shape)
+        state.files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    region = state.files[path]
+    staged = []
+    for name, dtype_name, shape, offset in entries:
+        dtype = getattr(torch, dtype_name)
+        source = region[offset : offset + nbytes(dtype_name, shape)].view(dtype).view(shape)
+        destination = state.direct(name, dtype, shape)
+        if destination is None:
+            staged.append((name, source.to(updater.device)))
+        else:
+            destination.copy_(source)
+    report.count(len(entries), staged, len(entries) - len(staged))
+    if staged:
+        updater.get_model().load_weights(staged)
+    return True, state.finish("Success")
 
 
 def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], dict]:
@@ -106,38 +229,68 @@ def nbytes(dtype: str, shape: list[int]) -> int:
     return getattr(torch, dtype).itemsize * _numel(shape)
 
 
-def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:
-    """Load one update from a shared file (``shared_memory.py``): its payload is the file's
-    path and layout; each tensor is copied from the file into its parameter."""
-    if request.get("load_format") != SHARED_FILE:
-        return original(updater, **request)
-    import torch
+class _Report:
+    """What one update did on this engine rank."""
 
-    path, entries = request["named_tensors"]
-    state = _receiver_state(updater)
-    region = state.mapping(path, entries)
-    staged = []
-    for name, dtype_name, shape, offset in entries:
-        dtype = getattr(torch, dtype_name)
-        source = region[offset : offset + nbytes(dtype_name, shape)].view(dtype).view(shape)
-        destination = state.direct(name, dtype, shape)
-        if destination is None:
-            staged.append((name, source.to(updater.device)))
-        else:
-            destination.copy_(source)
-    if staged:
-        updater.get_model().load_weights(staged)
-    return True, "Success"
+    def __init__(self, state: _ReceiverState) -> None:
+        self.state, self.allocated_before = state, state.allocated
+        self.fields = {"in_place": 0, "copied": 0, "staged": 0, "staged_bytes": 0}
+
+    def count(self, tensors: int, staged: list, copied: int) -> None:
+        """``tensors`` of an update: ``copied`` of them from a shared buffer (a pack of small
+        ones, a colocated bucket) into their parameter, ``staged`` ones to ``load_weights``,
+        the rest received straight into their parameter."""
+        self.fields["in_place"] += tensors - len(staged) - copied
+        self.fields["copied"] += copied
+        self.fields["staged"] += len(staged)
+        self.fields["staged_bytes"] += sum(t.numel() * t.element_size() for _, t in staged)
+
+    def render(self) -> str:
+        fields = self.fields | {
+            "allocated": self.state.allocated - self.allocated_before,
+            "moved": self.state.moved(),
+        }
+        return RECEIVER_REPORT + json.dumps(fields)
 
 
 class _ReceiverState:
-    """Per engine rank: the parameters by name (looked up once) and the staging buffers."""
+    """Per engine rank: the parameters by name and where their storage sat when first seen
+    (looked up once), the staging buffers, and the report of the update in progress."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
+        self.addresses = {name: p.data.data_ptr() for name, p in self.params.items()}
         self.buffers: dict[str, Any] = {}
-        self.files: dict[str, Any] = {}  # shared files mapped once, kept after they are unlinked
+        self.files: dict[str, Any] = {}  # TEMPORARY (bench)
+        self.allocated = 0  # staging buffers made so far
+        self.report: _Report | None = None
+
+    def begin(self) -> _Report:
+        self.report = _Report(self)
+        return self.report
+
+    def finish(self, message: str) -> str:
+        """``message`` with this update's report appended (once)."""
+        report, self.report = self.report, None
+        return message if report is None else f"{message}; {report.render()}"
+
+    def mapping(self, path: str, size: int) -> Any:
+        """A colocated bucket's shared file, mapped at its first use (kept after the trainer
+        removes its name)."""
+        import torch
+
+        if path not in self.files or self.files[path].numel() < size:
+            self.files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return self.files[path]
+
+    def moved(self) -> int:
+        """Parameters whose storage is no longer where it was at the first update."""
+        current = dict(self.model.named_parameters())
+        return sum(
+            name not in current or current[name].data.data_ptr() != address
+            for name, address in self.addresses.items()
+        )
 
     def direct(self, name: str, dtype: Any, shape: list[int]) -> Any:
         param = self.params.get(name)
@@ -145,21 +298,13 @@ class _ReceiverState:
             return None
         return param.data if param.data.is_contiguous() else None
 
-    def mapping(self, path: str, entries: list) -> Any:
-        import torch
-
-        if path not in self.files:
-            _, dtype, shape, offset = entries[-1]  # the layout is in file order
-            size = offset + nbytes(dtype, shape)
-            self.files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        return self.files[path]
-
     def staging(self, name: str, dtype: Any, shape: list[int], device: Any) -> Any:
         import torch
 
         buffer = self.buffers.get(name)
         if buffer is None or buffer.dtype != dtype or list(buffer.shape) != list(shape):
             buffer = self.buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+            self.allocated += 1
         return buffer
 
 

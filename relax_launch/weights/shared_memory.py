@@ -58,7 +58,7 @@ class SharedMemorySender(WeightSender):
         manifest: list[TensorSpec],
         weight_version: int,
         deadline: Deadline,
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[Future], float, float]:
+    ) -> tuple[list[Future], float, float]:
         """Write the export into the file, then ask every engine to load it."""
         views = self._views(manifest)
         sent, export_s, copy_s = [], 0.0, 0.0
@@ -85,7 +85,7 @@ class SharedMemorySender(WeightSender):
             )
             for t in self.targets
         ]
-        return sent, calls, export_s, copy_s
+        return calls, export_s, copy_s
 
     def _views(self, manifest: list[TensorSpec]) -> list[torch.Tensor]:
         entries, size = layout(manifest)
@@ -125,7 +125,6 @@ class SharedMemorySender(WeightSender):
             self.mapped_by_engines = True
 
     def close(self) -> None:
-        self.wait_for_rollback_copy()
         if self.region is not None and not self.mapped_by_engines:
             os.unlink(self.path)
         self.region = None

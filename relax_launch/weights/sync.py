@@ -10,16 +10,22 @@ then broadcasts each tensor as the trainer's export yields it, a few broadcasts 
 export (TP gather, layout conversion) overlaps the transfer. The engine receives each tensor
 into its parameter (``receiver.py``).
 
-All-or-nothing is made here: once every stage has sent and the controller ``commit``s, the
-sender copies what it sent to host buffers (reused from sync to sync) in the background, while
-rollout runs and the trainer is idle, so the copy is off the sync's critical path; the trainer
-waits for it (``wait_for_rollback_copy``) before it changes its parameters again. If any stage
-fails, every stage ``restore``s: it sends that copy again, with its version.
+Every engine's answer carries its receiver's report (``receiver.RECEIVER_REPORT``): how many
+tensors landed in place, how many were staged, and that no parameter moved. An answer without it
+comes from an engine that did not load the receiver (SGLang's own receive ran, allocating and
+copying every tensor): the send fails naming that engine, so a job never runs on it unknowingly.
+
+No copy of the weights is kept for a rollback. A send that fails leaves the engines' parameters
+partly written; the controller keeps them out of routing and sends the same version again (the
+trainer's parameters do not change until the sync is done), in a new group without the engines
+that died (``runtime/session.py``).
 """
 
 from __future__ import annotations
 
-import threading
+import contextlib
+import gc
+import json
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -30,13 +36,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relax_launch import platform
 from relax_launch.weights.engine_client import (
     EngineControl,
     EngineRequestError,
-    EngineUnreachable,
 )
-from relax_launch.weights.receiver import IN_PLACE, broadcast_plan, nbytes
+from relax_launch.weights.receiver import (
+    ABORT_KEY,
+    IN_PLACE,
+    RECEIVER_PLUGIN,
+    RECEIVER_PROBE,
+    RECEIVER_REPORT,
+    broadcast_plan,
+    nbytes,
+)
 from relax_launch.weights.update_session import (
     Deadline,
     EngineTarget,
@@ -97,7 +109,48 @@ class SyncReport:
     export_s: float  # in the trainer's export (TP gather, layout conversion)
     transfer_s: float  # waiting for broadcasts to complete
     engine_s: float  # after the last broadcast, until every engine answered (load, flush)
-    rollback_copy_s: float  # the previous sync's host copy, made off the critical path
+    receivers: tuple[dict, ...]  # each engine's receiver report (receiver.py), in target order
+
+
+class ReceiverMissing(WeightSyncError):
+    """relax-launch's receiver is not loaded in an engine (it did not answer the probe, or an
+    update without its report)."""
+
+
+def missing(target: EngineTarget, seen: str) -> ReceiverMissing:
+    return ReceiverMissing(
+        f"{target.label} runs without relax-launch's in-place receiver ({seen}): the SGLang "
+        f"plugin '{RECEIVER_PLUGIN}' did not load there, and the engine would misread the "
+        "weight sync (packed broadcasts, buckets) and crash. Reinstall relax-launch in the "
+        "engines' environment (pip install -e .) and look for the plugin's error in the "
+        "engine's log"
+    )
+
+
+def check_receivers(control: EngineControl, targets: list[EngineTarget], timeout_s: float) -> None:
+    """Ask every engine whether the receiver plugin is loaded; ``ReceiverMissing`` names the
+    first that is not."""
+    for target in targets:
+        body = {"name": RECEIVER_PROBE, "truncate_size": 1}
+        try:
+            answer = control.post(target.url, "/get_weights_by_name", body, timeout_s)
+        except EngineRequestError as exc:
+            raise missing(target, f"its answer to the probe: {exc}") from None
+        if answer != [RECEIVER_REPORT.strip(), "ready"]:
+            raise missing(target, f"its answer to the probe: {answer!r:.100}")
+
+
+def receiver_reports(targets: list[EngineTarget], replies: list) -> tuple[dict, ...]:
+    """Each engine's receiver report, read from its reply's message; ``ReceiverMissing``
+    names the first engine whose reply has none."""
+    reports = []
+    for target, reply in zip(targets, replies, strict=True):
+        message = str(reply.get("message", "")) if isinstance(reply, dict) else str(reply)
+        _, mark, report = message.partition(RECEIVER_REPORT)
+        if not mark:
+            raise missing(target, f"it took an update without a report: {message[:200]!r}")
+        reports.append(json.JSONDecoder().raw_decode(report)[0])
+    return tuple(reports)
 
 
 class WeightSender:
@@ -119,15 +172,13 @@ class WeightSender:
         self.host, self.port, self.backend = host, port, backend
         self.group: dist.ProcessGroup | None = None
         self.control = EngineControl()
-        self.device = torch.device("cpu")  # where exported tensors live: a restore sends there
-        self.sent: list[tuple[str, torch.Tensor]] = []  # the last send, until committed
-        self.committed: list[tuple[str, torch.Tensor]] = []  # host copy of the committed sync
-        self._copier: threading.Thread | None = None
-        self._copy_s = 0.0
+        self.device = torch.device("cpu")  # where exported tensors live
 
     def connect(self, timeout_s: float) -> None:
-        """Form the broadcast group with every engine worker (the engines join over HTTP)."""
+        """Form the broadcast group with every engine worker (the engines join over HTTP), once
+        each engine has said its receiver is loaded."""
         deadline = Deadline(timeout_s)
+        check_receivers(self.control, self.targets, deadline.left("asking for the receivers"))
         body = {
             "master_address": self.host,
             "master_port": self.port,
@@ -158,25 +209,22 @@ class WeightSender:
     ) -> SyncReport:
         """Stream every tensor of this stage into the open update session as
         ``weight_version``; ``named`` must yield exactly ``manifest``."""
-        self.wait_for_rollback_copy()
         start, deadline = time.monotonic(), Deadline(timeout_s)
         tensors = iter(named)
         try:
-            sent, calls, export_s, transfer_s = self._deliver(
-                tensors, manifest, weight_version, deadline
-            )
+            calls, export_s, transfer_s = self._deliver(tensors, manifest, weight_version, deadline)
             waited = time.monotonic()
-            await_all(self.targets, calls, "receiving the weights", deadline)
+            replies = await_all(self.targets, calls, "receiving the weights", deadline)
         except (EngineRequestError, RuntimeError) as exc:
             for _ in tensors:  # finish the export: the other TP ranks are still gathering
                 pass
-            failed = f"sending version {weight_version} failed: {exc}"
-            if isinstance(exc, EngineUnreachable):
-                self._drop_group()
-                failed += "; an engine is gone, so this broadcast group was dropped"
-            raise WeightSyncError(failed) from exc
+            error = WeightSyncError(
+                f"sending version {weight_version} failed: {exc}; its broadcast group was dropped"
+            )
+            _forget_frames(exc)  # their broadcasts would keep the group's connections open
+            self._drop_group()  # the engines still receiving give up (receiver.ABORT_KEY)
+            raise error from None
         self._delivered()
-        self.sent = sent
         return SyncReport(
             weight_version=weight_version,
             transport=self.TRANSPORT,
@@ -186,7 +234,7 @@ class WeightSender:
             export_s=export_s,
             transfer_s=transfer_s,
             engine_s=time.monotonic() - waited,
-            rollback_copy_s=self._copy_s,
+            receivers=receiver_reports(self.targets, replies),
         )
 
     def _deliver(
@@ -195,9 +243,9 @@ class WeightSender:
         manifest: list[TensorSpec],
         weight_version: int,
         deadline: Deadline,
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[Future], float, float]:
-        """Ask every engine to receive, then broadcast; returns what was sent, the engines'
-        requests, and the seconds spent exporting and transferring."""
+    ) -> tuple[list[Future], float, float]:
+        """Ask every engine to receive, then broadcast; returns the engines' requests, and the
+        seconds spent exporting and transferring."""
         request = update_request(manifest, self.group_name, weight_version)
         calls = [
             self.control.submit(
@@ -205,8 +253,8 @@ class WeightSender:
             )
             for t in self.targets
         ]
-        sent, export_s, transfer_s = self._stream(tensors, manifest, deadline, calls)
-        return sent, calls, export_s, transfer_s
+        export_s, transfer_s = self._stream(tensors, manifest, deadline, calls)
+        return calls, export_s, transfer_s
 
     def _delivered(self) -> None:
         """Every engine took the update (a transport may release what it no longer needs)."""
@@ -217,44 +265,52 @@ class WeightSender:
         manifest: list[TensorSpec],
         deadline: Deadline,
         calls: list[Future],
-    ) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
+    ) -> tuple[float, float]:
         """Broadcast each exported tensor as it comes, ``IN_FLIGHT`` ahead of the one waited on;
-        small ones at the end, packed (``broadcast_plan``).
+        small ones at the end, packed (``broadcast_plan``). Only the tensors in flight and the
+        small ones are held: a stage's export is never in memory whole.
 
         A tensor that does not match its manifest entry still completes the engines' sequence of
-        broadcasts (with a placeholder), so the group stays usable for the restore that follows.
+        broadcasts (with a placeholder), so the engines are not left waiting in the group.
         """
-        sent, mismatch, in_flight = [], None, deque()
+        mismatch, in_flight, small = None, deque(), {}
         export_s = transfer_s = 0.0
         tensors = iter(tensors)
         alone, packed = broadcast_plan([s.dtype for s in manifest], [s.shape for s in manifest])
         alone = set(alone)
-        for index, spec in enumerate(manifest):
-            began = time.monotonic()
-            name, tensor = next(tensors, (None, None))
-            export_s += time.monotonic() - began
-            if tensor is None or TensorSpec.of(name, tensor) != spec:
-                got = None if tensor is None else TensorSpec.of(name, tensor)
-                mismatch = mismatch or f"expected {spec}, the trainer exported {got}"
-                tensor = torch.empty(
-                    spec.shape, dtype=getattr(torch, spec.dtype), device=self.device
-                )
-            tensor = tensor.contiguous()  # a broadcast needs dense memory
-            self.device = tensor.device
-            sent.append((spec.name, tensor))
-            if index not in alone:  # sent packed, after the others
-                continue
-            in_flight.append(dist.broadcast(tensor, group=self.group, group_src=0, async_op=True))
-            if len(in_flight) > IN_FLIGHT:
-                transfer_s += self._wait(in_flight.popleft(), deadline, calls)
-        packs = [torch.cat([sent[i][1].reshape(-1) for i in group]) for group in packed.values()]
-        for pack in packs:  # alive in ``packs`` until every broadcast completed
-            in_flight.append(dist.broadcast(pack, group=self.group, group_src=0, async_op=True))
-        while in_flight:
-            transfer_s += self._wait(in_flight.popleft(), deadline, calls)
+        try:
+            for index, spec in enumerate(manifest):
+                began = time.monotonic()
+                name, tensor = next(tensors, (None, None))
+                export_s += time.monotonic() - began
+                if tensor is None or TensorSpec.of(name, tensor) != spec:
+                    got = None if tensor is None else TensorSpec.of(name, tensor)
+                    mismatch = mismatch or f"expected {spec}, the trainer exported {got}"
+                    tensor = torch.empty(
+                        spec.shape, dtype=getattr(torch, spec.dtype), device=self.device
+                    )
+                tensor = tensor.contiguous()  # a broadcast needs dense memory
+                self.device = tensor.device
+                if index not in alone:  # sent packed, after the others
+                    small[index] = tensor
+                    continue
+                broadcast = dist.broadcast(tensor, group=self.group, group_src=0, async_op=True)
+                in_flight.append((broadcast, tensor))  # the tensor lives until it is sent
+                if len(in_flight) > IN_FLIGHT:
+                    transfer_s += self._wait(in_flight.popleft()[0], deadline, calls)
+            for group in packed.values():
+                pack = torch.cat([small[i].reshape(-1) for i in group])
+                broadcast = dist.broadcast(pack, group=self.group, group_src=0, async_op=True)
+                in_flight.append((broadcast, pack))
+            while in_flight:
+                transfer_s += self._wait(in_flight.popleft()[0], deadline, calls)
+        except BaseException:
+            in_flight.clear()  # a failed send's broadcasts must not outlive it (``_drop_group``)
+            broadcast = None
+            raise
         if mismatch is not None:
             raise WeightSyncError(f"the export does not match the manifest: {mismatch}")
-        return sent, export_s, transfer_s
+        return export_s, transfer_s
 
     def _wait(self, work: dist.Work, deadline: Deadline, calls: list[Future]) -> float:
         """Wait for one broadcast; an engine that answered its request with an error instead
@@ -272,70 +328,48 @@ class WeightSender:
                             f"{target.label} refused the update: {error}"
                         ) from None
 
-    def commit(self) -> None:
-        """Every stage sent and the engines took the version: copy what was sent to host
-        buffers in the background; a later failure restores that copy."""
-        if not self.sent:
-            raise RuntimeError("commit without a successful send")
-        sent, self.sent = self.sent, []
-        self._copier = threading.Thread(target=self._copy, args=(sent,), daemon=True)
-        self._copier.start()
-
-    def _copy(self, sent: list[tuple[str, torch.Tensor]]) -> None:
-        began = time.monotonic()
-        buffers = {name: buffer for name, buffer in self.committed}
-        copy = []
-        for name, tensor in sent:
-            buffer = buffers.get(name)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = platform.host_buffer(tensor)
-            copy.append((name, buffer.copy_(tensor, non_blocking=True)))
-        platform.synchronize(self.device)
-        self.committed, self._copy_s = copy, time.monotonic() - began
-
-    def wait_for_rollback_copy(self) -> None:
-        """Block until the background copy of the last committed sync is done: call before the
-        trainer changes the parameters it may still be reading."""
-        if self._copier is not None:
-            self._copier.join()
-            self._copier = None
-
-    def restore(self, weight_version: int, timeout_s: float) -> bool:
-        """Send the last committed copy again as ``weight_version`` (the session is still
-        open); False if there is none yet (the first sync failed: the engines still hold their
-        checkpoint)."""
-        self.wait_for_rollback_copy()
-        self.sent = []
-        if self.group is None:
-            raise WeightSyncError(
-                "the broadcast group was dropped after an engine died: it must be formed again"
-            )
-        if not self.committed:
-            return False
-        manifest = [TensorSpec.of(name, tensor) for name, tensor in self.committed]
-        restoring = ((name, tensor.to(self.device)) for name, tensor in self.committed)
-        self.send(restoring, manifest, weight_version, timeout_s)
-        self.sent = []
-        return True
-
     def _drop_group(self) -> None:
-        """Leave the broadcast group at once: an engine of it died mid-sync, so the others wait
-        for tensors that will never come; this side closing its connections ends their wait."""
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        """Leave the broadcast group after a failed send: the engines still receiving would wait
+        for tensors that will never come, so they are told to give up first (through the group's
+        own store, which the receiver polls while it waits); then this side's connections close,
+        so the engines' pending receives fail and the engines can destroy their side."""
+        if self.group is None:
+            return
+        with contextlib.suppress(Exception):  # the store's peers may be gone already
+            group_store(self.group).set(ABORT_KEY, "1")
+        dist.destroy_process_group(self.group)
+        self.group = None
+        gc.collect()  # the group closes its connections once nothing refers to it
 
     def close(self) -> None:
-        self.wait_for_rollback_copy()
-        for target in self.targets:
+        """Leave the group and have every engine destroy its side; after a failed send the
+        engines keep theirs: gloo cannot destroy a group with receives still posted (they would
+        never finish), which would hold the engine's scheduler for good."""
+        broken = self.group is None
+        self._drop_group()
+        for target in [] if broken else self.targets:
             try:
                 self.control.post(
                     target.url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30
                 )
             except EngineRequestError:
                 pass  # the engine is gone or stopping, or never joined: nothing to tear down
-        self._drop_group()
         self.control.close()
+
+
+def _forget_frames(error: BaseException | None) -> None:
+    """Drop the frames an exception chain holds: their locals include the failed send's
+    broadcasts, which hold the group (and its connections) alive."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
+def group_store(group: dist.ProcessGroup) -> dist.Store:
+    """The store a process group was formed through (hosted by its rank 0: the sender)."""
+    return dist.distributed_c10d._world.pg_map[group][1]
 
 
 def custom_group(

@@ -69,11 +69,14 @@ class UpdateSession:
 
 def await_all(
     targets: list[EngineTarget], calls: list[Future], what: str, deadline: Deadline
-) -> None:
-    """Wait for one request per engine; the first failure names its engine and the step."""
+) -> list:
+    """Each engine's reply to its request, in order; the first failure names its engine and
+    the step."""
+    replies = []
     for target, call in zip(targets, calls, strict=True):
         try:
-            result(call, deadline.left(what))
+            replies.append(result(call, deadline.left(what)))
         except (EngineRequestError, WeightSyncError) as exc:
             error = type(exc) if isinstance(exc, EngineRequestError) else EngineRequestError
             raise error(f"{target.label} failed {what}: {exc}") from None
+    return replies

@@ -150,15 +150,20 @@ def test_rollout_is_ready_only_after_a_committed_sync():
     m = manager([e], weight_source=WeightSource.TRAINER)
     assert not m.ready and m.snapshot().models["m"].state is State.ONLOADING
     m.weights_updating()
-    m.weights_failed()
+    m.weights_lost("the first sync failed")
     assert not m.ready  # a failed first sync keeps it unavailable
     m.weights_updating()
     m.weights_committed(0)
     assert m.ready and m.snapshot().models["m"].weight_version == "0"
     m.weights_updating()
     assert not m.ready  # never routable while a sync is in flight
-    m.weights_failed()
-    assert m.ready  # rolled back: version 0 keeps serving
+    m.weights_lost("sent twice, failed twice")
+    assert not m.ready  # engines may hold parts of two versions: closed, not rolled back
+    assert m.snapshot().models["m"].weight_version == "0"  # the last whole version's label
+    e.version = "1"
+    m.weights_updating()
+    m.weights_committed(1)
+    assert m.ready  # until a sync commits
 
 
 def test_rollout_that_released_its_weights_waits_for_the_next_sync():

@@ -2,11 +2,13 @@
 
 usage: torchrun --nproc-per-node N job_worker.py PROGRAM CONFIG OUT.json [key=value ...]
 PROGRAM ``sync``: rank 0 writes a JSON report: weight versions, trainer-vs-engine logprob
-differences before and after the sync, and a weight compared by name. ``hold``: start, write the
-engine URLs, then wait to be killed. ``stuck``: send a train step to trainer rank 1 alone, so it
-waits for its shard in a broadcast rank 0 never joins. ``rollback``: a sync fails midway (rank 0
-sends one tensor with a wrong shape); report what the engines serve afterwards, and after a clean
-retry.
+differences before and after the sync, and a weight compared by name. ``midsync``: a sync
+during which one engine dies (the test's fault plugin); the gateway is asked for generations
+all along, and the report says what it answered while the sync ran, and the survivor's parity.
+``hold``: start, write the engine URLs, then wait to be killed. ``stuck``: send a train step to
+trainer rank 1 alone, so it waits for its shard in a broadcast rank 0 never joins. ``rollback``:
+a send fails midway (rank 0 sends one tensor with a wrong shape); report what the engines serve
+once the sync has sent the version again.
 """
 
 import json
@@ -96,6 +98,61 @@ def program(session):
     return report
 
 
+class Prober:
+    """Asks the gateway for a generation every 20 ms on a thread, recording (sent, status)."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.log, self.stopped = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        with httpx.Client(timeout=60) as client:
+            while not self.stopped.is_set():
+                sent = time.monotonic()
+                status = client.post(self.url + "/rollout/generate", json=body).status_code
+                self.log.append((sent, status))
+                time.sleep(0.02)
+
+    def stop(self) -> list[tuple[float, int]]:
+        self.stopped.set()
+        self.thread.join()
+        return self.log
+
+
+def midsync(session):
+    session.wait_for_engines()
+    session.connect_weight_sync()
+    session.sync_weights(0)
+    session.train_step(TokenBatch.next_token(SEQUENCES, [1, 1]))
+    prober = Prober(session.gateway_url)
+    time.sleep(0.5)
+    began = time.monotonic()
+    report = {"error": None}
+    try:
+        report["sync"] = session.sync_weights(1)  # one engine dies in it
+    except Exception as exc:  # noqa: BLE001 - reported
+        report["error"] = str(exc)
+    ended = time.monotonic()
+    time.sleep(0.5)
+    log = prober.stop()
+    # sent once the sync had closed routing (it does so first thing), answered before it ended
+    report["during"] = sorted({status for t, status in log if began + 0.1 <= t <= ended - 0.5})
+    report["before"] = sorted({status for t, status in log if t < began})
+    report["after"] = sorted({status for t, status in log if t > ended})
+    report["sync_s"] = ended - began
+    alive = [e.url for e in session.control_plane.managers["rollout"].serving()]
+    report["serving"] = len(alive)
+    report["versions"] = [get_json(u, "/model_info", 30)["weight_version"] for u in alive]
+    report["parity"] = max_diff(session, alive)
+    return report
+
+
 def hold(session):
     urls = session.wait_for_engines()
     with open(sys.argv[3], "w") as out:
@@ -116,19 +173,14 @@ def rollback(session):
     session.train_step(TokenBatch.next_token(SEQUENCES, [1, 1]))
     report = {"error": None}
     try:
-        session.sync_weights(1)  # one tensor goes out with a wrong shape, after others applied
+        # the first send of version 1 has one tensor of a wrong shape, after others applied
+        report["sync1"] = session.sync_weights(1)
     except WeightSyncError as exc:
         report["error"] = str(exc)
-    report["versions_after_failure"] = [
-        get_json(u, "/model_info", 30)["weight_version"] for u in urls
-    ]
-    report["weights_restored"] = [engine_weight(u) for u in urls] == before
-    report["gateway_after_failure"] = gateway_state(session)
-    session.sync_weights(2)
-    report["versions_after_retry"] = [
-        get_json(u, "/model_info", 30)["weight_version"] for u in urls
-    ]
-    report["weights_changed_after_retry"] = [engine_weight(u) for u in urls] != before
+    report["versions"] = [get_json(u, "/model_info", 30)["weight_version"] for u in urls]
+    report["weights_changed"] = [engine_weight(u) for u in urls] != before
+    report["parity"] = max_diff(session, urls)
+    report["gateway"] = gateway_state(session)
     return report
 
 
@@ -152,7 +204,13 @@ def corrupt_version_1_export():
 
 def main():
     job = load_config(sys.argv[2], sys.argv[4:])
-    programs = {"sync": program, "hold": hold, "stuck": stuck, "rollback": rollback}
+    programs = {
+        "sync": program,
+        "midsync": midsync,
+        "hold": hold,
+        "stuck": stuck,
+        "rollback": rollback,
+    }
     if sys.argv[1] == "rollback" and os.environ["RANK"] == "0":
         corrupt_version_1_export()
     result = run_rank(job, plan(job), programs[sys.argv[1]])

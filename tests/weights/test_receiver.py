@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from relax_launch.inference.process import free_port
-from relax_launch.weights.receiver import IN_PLACE, receive
+from relax_launch.weights.receiver import IN_PLACE, receive, reported
 from relax_launch.weights.sync import custom_group
 
 
@@ -48,6 +48,12 @@ def test_matching_tensors_land_in_place_and_the_rest_are_staged_once():
         staged = receive(None, updater, **body)
         assert [name for name, _ in staged] == ["norm", "q_proj.weight"]
         assert model.qkv_proj.weight is weight and weight.data_ptr() == address  # in place
+        reply = reported(lambda updater, named: (True, "Succeeded."), updater, staged)
+        assert reply == (
+            True,
+            'Succeeded.; relax-launch receiver: {"in_place": 1, "copied": 0, '
+            '"staged": 2, "staged_bytes": 28, "allocated": 1, "moved": 0}',
+        )
         again = receive(None, updater, **body)
         assert [t.data_ptr() for _, t in staged] == [t.data_ptr() for _, t in again]  # reused
     finally:
@@ -74,8 +80,8 @@ def test_other_load_formats_run_sglangs_own_receive():
 def test_sglang_finds_the_receiver_plugin_and_a_plugin_whitelist_keeps_it(tmp_path):
     from importlib.metadata import entry_points
 
-    from relax_launch.inference.server import RECEIVER_PLUGIN, SGLangServer
-    from relax_launch.weights.receiver import register
+    from relax_launch.inference.server import SGLangServer
+    from relax_launch.weights.receiver import RECEIVER_PLUGIN, register
 
     (plugin,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == RECEIVER_PLUGIN]
     assert plugin.load() is register
@@ -84,19 +90,18 @@ def test_sglang_finds_the_receiver_plugin_and_a_plugin_whitelist_keeps_it(tmp_pa
     assert "SGLANG_PLUGINS" not in server.env({})
 
 
-def test_the_shared_file_layout_aligns_every_tensor():
-    from relax_launch.weights.shared_memory import layout
+def test_colocated_buckets_align_every_tensor_and_hold_a_bounded_size():
+    from relax_launch.weights.colocated import pack
     from relax_launch.weights.sync import TensorSpec
 
-    entries, size = layout(
-        [
-            TensorSpec("a", "float32", (3,)),
-            TensorSpec("b", "bfloat16", (70,)),
-            TensorSpec("c", "int8", (1,)),
-        ]
-    )
-    assert [offset for *_, offset in entries] == [0, 64, 256]
-    assert size == 320
+    manifest = [
+        TensorSpec("a", "float32", (3,)),  # 12 B, aligned to 64
+        TensorSpec("b", "bfloat16", (70,)),  # 140 B -> 192
+        TensorSpec("c", "int8", (1,)),
+        TensorSpec("d", "float32", (100,)),  # 400 B: more than a bucket holds, alone
+        TensorSpec("e", "int8", (5,)),
+    ]
+    assert pack(manifest, 320) == [[(0, 0), (1, 64), (2, 256)], [(3, 0)], [(4, 0)]]
 
 
 def test_small_tensors_travel_packed_after_the_large_ones_one_broadcast_per_dtype():

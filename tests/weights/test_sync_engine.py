@@ -1,6 +1,8 @@
-"""Weight sync into a real SGLang engine on the CPU: what an engine serves right after a sync is
-the new weights' answer, never KV its prefix cache computed with the old ones; an engine that
-refuses an update fails the sync at once and keeps serving what it had."""
+"""Weight sync into a real SGLang engine on the CPU: the weights land in the engine's own
+parameters, with no copy of the model and no allocation (the engine's receiver says so in every
+reply, and an engine without it is refused); what an engine serves right after a sync is the new
+weights' answer, never KV its prefix cache computed with the old ones; an engine that refuses an
+update fails the sync at once and keeps its version."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from safetensors.torch import load_file
 from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
 from relax_launch.trainer.hf_conversion import fuse_for_engine
+from relax_launch.weights.colocated import BucketSender
 from relax_launch.weights.engine_client import EngineRequestError, get_json, post
-from relax_launch.weights.shared_memory import SHM_DIR, SharedMemorySender
-from relax_launch.weights.sync import TensorSpec, WeightSender
+from relax_launch.weights.sync import ReceiverMissing, TensorSpec, WeightSender
 from relax_launch.weights.update_session import (
     Deadline,
     EngineTarget,
@@ -30,16 +32,15 @@ pytestmark = pytest.mark.e2e
 PROMPT = list(range(40, 72))  # long enough that the prefix cache holds most of it
 
 
-def sync(sender: WeightSender, weights: dict[str, torch.Tensor], version: int) -> None:
-    """What the controller does for one pipeline stage."""
+def sync(sender: WeightSender, weights: dict[str, torch.Tensor], version: int):
+    """What the controller does for one pipeline stage; returns the sender's report."""
     engines = UpdateSession(sender.targets, Deadline(120), sender.control)
     engines.open()
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     try:
-        sender.send(weights.items(), manifest, version, 120)
+        return sender.send(weights.items(), manifest, version, 120)
     finally:
         engines.close()
-    sender.commit()
 
 
 def connected(transport: type[WeightSender], url: str, group_name: str) -> WeightSender:
@@ -52,7 +53,11 @@ def connected(transport: type[WeightSender], url: str, group_name: str) -> Weigh
         port=free_port(),
         backend="gloo",
     )
-    sender.connect(60)
+    try:
+        sender.connect(60)
+    except BaseException:
+        sender.close()
+        raise
     return sender
 
 
@@ -72,11 +77,11 @@ def next_token(url: str) -> tuple[float, int]:
     return meta["output_token_logprobs"][0][0], meta["cached_tokens"]
 
 
-@pytest.mark.parametrize("transport", [WeightSender, SharedMemorySender])
+@pytest.mark.parametrize("transport", [WeightSender, BucketSender])
 def test_a_sync_flushes_the_prefix_cache_so_answers_are_the_new_models(
     tiny_server, tiny_model, transport
 ):
-    """Both transports: the broadcast (decoupled) and the shared-memory file (split, defer)."""
+    """Both transports: the broadcast (decoupled) and the shared buckets (split, defer)."""
     original = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
     changed = {n: t * 1.5 if t.dim() > 1 else t for n, t in original.items()}
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
@@ -121,11 +126,12 @@ def test_an_engine_that_refuses_the_update_fails_the_sync_at_once_and_keeps_serv
     assert next_token(tiny_server.url)[0] == before
 
 
-def test_a_colocated_export_that_does_not_match_never_reaches_the_engine(tiny_server, tiny_model):
+def test_an_export_that_does_not_match_fails_the_send_and_leaves_the_version(
+    tiny_server, tiny_model
+):
     weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
-    before = next_token(tiny_server.url)[0]
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
-    sender = connected(SharedMemorySender, tiny_server.url, "mismatch-test")
+    sender = connected(BucketSender, tiny_server.url, "mismatch-test")
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     halved = [(n, t * 0.5 if n != "model.norm.weight" else t[:2]) for n, t in weights.items()]
     engines = UpdateSession(sender.targets, Deadline(60), sender.control)
@@ -137,8 +143,55 @@ def test_a_colocated_export_that_does_not_match_never_reaches_the_engine(tiny_se
         engines.close()
         sender.close()
     assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == label
-    assert next_token(tiny_server.url)[0] == before  # no tensor of the failed sync was loaded
-    assert not [f for f in os.listdir(SHM_DIR) if f.startswith("relax-launch-mismatch-test")]
+
+
+@pytest.mark.parametrize("transport", [WeightSender, BucketSender])
+def test_weights_land_in_the_engines_own_parameters(tiny_server, tiny_model, transport):
+    """Two processes, the real receive: every tensor goes into the parameter it updates, none
+    through SGLang's loader; no parameter storage moves and, after the first sync, nothing is
+    allocated; the engine then holds exactly the values sent."""
+    weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
+    changed = {n: t * 1.25 for n, t in weights.items()}
+    label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
+    sender = connected(transport, tiny_server.url, f"in-place-{transport.__name__}")
+    name = "model.layers.1.mlp.down_proj.weight"
+    try:
+        first, second = sync(sender, changed, 1).receivers[0], sync(sender, changed, 2).receivers[0]
+        held = post(tiny_server.url, "/get_weights_by_name", {"name": name, "truncate_size": 4}, 30)
+    finally:
+        sync(sender, weights, 0)
+        post(tiny_server.url, "/update_weight_version", {"new_version": label}, 30)
+        sender.close()
+    for report in (first, second):
+        assert report["in_place"] + report["copied"] == len(weights), report
+        assert report["staged"] == report["staged_bytes"] == report["moved"] == 0, report
+    assert second["allocated"] == 0  # the first sync made the only buffer (the small ones' pack)
+    if transport is WeightSender:  # the large ones are broadcast straight into the parameters
+        assert second["in_place"] >= 1
+    assert torch.equal(torch.tensor(held), changed[name][:4])  # bit for bit (its first rows)
+
+
+@pytest.mark.parametrize("transport", [WeightSender, BucketSender])
+def test_an_engine_without_the_receiver_is_refused_before_any_update(
+    tiny_model, tmp_path, transport
+):
+    """SGLang ignores a load_format it does not know: without the plugin its own receive would
+    misread the packed broadcasts (or the buckets) and crash. The sender asks first and refuses
+    the engine, which stays up."""
+    engine = SGLangServer(
+        model_path=tiny_model,
+        device="cpu",
+        log_path=tmp_path / "no-plugin.log",
+        engine={"max_total_tokens": 2048, "dtype": "float32"},
+        extra_env={"SGLANG_PLUGINS": "none-of-them"},  # a whitelist without relax-launch's
+    )
+    engine.start(timeout_s=240)
+    try:
+        with pytest.raises(ReceiverMissing, match="without relax-launch's in-place receiver"):
+            connected(transport, engine.url, "no-receiver")
+        next_token(engine.url)  # it still serves
+    finally:
+        engine.stop()
 
 
 def test_an_engine_dying_mid_sync_fails_it_at_once_and_frees_the_others(
@@ -180,7 +233,7 @@ def test_an_engine_dying_mid_sync_fails_it_at_once_and_frees_the_others(
         engines = UpdateSession(sender.targets, Deadline(120), sender.control)
         engines.open()
         began = time.monotonic()
-        with pytest.raises(WeightSyncError, match="an engine is gone"):
+        with pytest.raises(WeightSyncError, match="its broadcast group was dropped"):
             sender.send(export_that_loses_the_victim(), manifest, 5, timeout_s=120)
         failed_after_s = time.monotonic() - began
         with contextlib.suppress(EngineRequestError):
