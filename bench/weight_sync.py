@@ -10,13 +10,13 @@ job with an fp32 trainer runs them):
   per-tensor  SGLang's stock update_weights_from_distributed: one request, one broadcast per
               tensor in HF layout, the engine allocates and then loads (cache flushed too)
   disk        save safetensors, then update_weights_from_disk on every engine
-  bucket      the colocated transport (split/defer): buckets handed over by torch.multiprocessing
-              (shared memory here), the engines copy out of them; same session, version, flush
-  shared-file the colocated transport it replaces: one model-sized /dev/shm file
+  bucket      the colocated transport (split/defer): buckets in /dev/shm (CUDA IPC on a GPU) the
+              engines map once and copy out of; same session, version, flush
 and prints seconds, GB/s, ratios, ours split into phases (control = session open/close,
 transfer = waiting on broadcasts, engine = after the last broadcast until every engine answered),
 what the engines' receivers reported (tensors in place, copied, staged), and the sender's host
-memory: how much its resident size grows during a sync (the sync keeps no copy of the model).
+memory: how much its resident size rises during a sync and grows over the run (the sync keeps
+no copy of the model).
 The methods that need engines run in interleaved rounds (a slow spell of the machine hits each of
 them); the ceiling runs after the engines have stopped, as the machine's own floor. The first
 WARMUP rounds are not counted: sync repeats every step, the steady state counts.
@@ -46,7 +46,6 @@ from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.colocated import BucketSender
 from relax_launch.weights.engine_client import post, result
-from relax_launch.weights.shared_memory import SharedMemorySender
 from relax_launch.weights.sync import TensorSpec, WeightSender, custom_group, dtype_name
 from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
 
@@ -123,7 +122,7 @@ class PeakMemory:
 class Ours:
     """What ``Session.sync_weights`` does for one pipeline stage, with its phase times, the
     engines' receiver reports and how much the sender's resident memory rose (the broadcast,
-    or a ``BucketSender``/``SharedMemorySender`` colocated transport)."""
+    or the ``BucketSender`` colocated transport)."""
 
     def __init__(self, sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
         self.sender, self.weights = sender, weights
@@ -270,7 +269,7 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
         )
         sender.connect(TIMEOUT_S)
         colocated = {}
-        for name, transport in (("bucket", BucketSender), ("shared-file", SharedMemorySender)):
+        for name, transport in (("bucket", BucketSender),):
             colocated[name] = transport(
                 targets=targets, world_size=0, group_name=name, host="", port=0, backend=""
             )
@@ -282,11 +281,13 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
             "disk": lambda: from_disk(sender, servers, weights, model_dir),
         }
         times = {name: [] for name in methods}
+        resident = psutil.Process().memory_info().rss  # before the first sync
         for _ in range(ROUNDS):  # interleaved: a slow spell of the machine hits every method
             for name, method in methods.items():
                 began = time.perf_counter()
                 method()
                 times[name].append(time.perf_counter() - began)
+        grown = psutil.Process().memory_info().rss - resident
         results = {name: statistics.median(t[WARMUP:]) for name, t in times.items()}
         results |= {name: s.phase_medians()["total"] for name, s in synced.items()}
         for transport in colocated.values():
@@ -299,6 +300,7 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
     results["ceiling"] = statistics.median(_timed_rounds(ceiling)[WARMUP:])
     ceiling.close()
     report(model_dir, engines, nbytes, results, synced)
+    print(f"  the sender's resident memory grew {grown / 1e6:.0f} MB over every method's syncs")
     return results
 
 

@@ -57,7 +57,6 @@ def register() -> None:
     HookRegistry.register(f"{UPDATER}.load_weights_from_distributed", reported, HookType.AROUND)
     HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_bucket, HookType.AROUND)
     HookRegistry.register(f"{EXPORTER}.get_weights_by_name", answer_probe, HookType.AROUND)
-    HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_shared, HookType.AROUND)
 
 
 def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -173,38 +172,6 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
     return True, state.finish("Success")
 
 
-SHARED_FILE = "relax_shared_file"  # TEMPORARY: the old colocated transport, for the bench
-
-
-def load_shared(original: Any, updater: Any, **request: Any) -> tuple[bool, str]:
-    """TEMPORARY (bench): load one update from a shared file (``shared_memory.py``)."""
-    if request.get("load_format") != SHARED_FILE:
-        return original(updater, **request)
-    import torch
-
-    path, entries = request["named_tensors"]
-    state = _receiver_state(updater)
-    report = state.begin()
-    if path not in state.files:
-        _, dtype, shape, offset = entries[-1]
-        size = offset + nbytes(dtype, shape)
-        state.files[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    region = state.files[path]
-    staged = []
-    for name, dtype_name, shape, offset in entries:
-        dtype = getattr(torch, dtype_name)
-        source = region[offset : offset + nbytes(dtype_name, shape)].view(dtype).view(shape)
-        destination = state.direct(name, dtype, shape)
-        if destination is None:
-            staged.append((name, source.to(updater.device)))
-        else:
-            destination.copy_(source)
-    report.count(len(entries), staged, len(entries) - len(staged))
-    if staged:
-        updater.get_model().load_weights(staged)
-    return True, state.finish("Success")
-
-
 def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], dict]:
     """The order of one update's broadcasts, the same on sender and engine: the manifest's
     tensors of ``PACK_BELOW`` bytes or more one by one, in order, then the smaller ones (norms,
@@ -262,7 +229,7 @@ class _ReceiverState:
         self.params = dict(model.named_parameters())
         self.addresses = {name: p.data.data_ptr() for name, p in self.params.items()}
         self.buffers: dict[str, Any] = {}
-        self.files: dict[str, Any] = {}  # TEMPORARY (bench)
+        self.files: dict[str, Any] = {}  # colocated buckets' shared files, mapped once
         self.allocated = 0  # staging buffers made so far
         self.report: _Report | None = None
 

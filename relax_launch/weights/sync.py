@@ -102,7 +102,7 @@ class SyncReport:
     """One stage's send; ``*_s`` split ``seconds`` into where the sender waited."""
 
     weight_version: int
-    transport: str  # "broadcast", or "shared_memory" for engines on the trainer's host
+    transport: str  # "broadcast", or "bucket" for engines on the trainer's host and device
     num_tensors: int
     num_bytes: int
     seconds: float

@@ -95,7 +95,7 @@ def assert_no_sglang_left(tmp_path: Path) -> None:
         ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 16),
         # Qwen3: 2 layers x (fused qkv, q/k norms, o, fused gate_up, down, 2 norms) +
         # embeddings, final norm, lm_head; the trainer has DP=2.
-        ("split_2rank.yaml", 1, "shared_memory", "tiny-qwen3", 19),
+        ("split_2rank.yaml", 1, "bucket", "tiny-qwen3", 19),
     ],
 )
 def test_train_sync_and_engines_serve_new_weights(
