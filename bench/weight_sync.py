@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from relax_launch.inference.engine import post, result
 from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.colocated import BucketSender
-from relax_launch.weights.engine_client import post, result
 from relax_launch.weights.sync import TensorSpec, WeightSender, custom_group, dtype_name
 from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
 

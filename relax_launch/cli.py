@@ -110,7 +110,7 @@ def run_command(config_path: str, overrides: tuple[str, ...], resume: bool) -> N
         _fail(
             f"run starts one machine; cluster.nnodes={placement.nnodes} needs a launcher per node"
         )
-    from relax_launch.runtime.launcher import ENTRY_MODULE, run_local
+    from relax_launch.commands.launcher import ENTRY_MODULE, run_local
 
     _announce(job, placement, notes)
     sys.exit(run_local(ENTRY_MODULE, [config_path, *overrides], placement, job))
@@ -168,7 +168,7 @@ def sbatch_command(
     Refuses, before submitting, a config that is invalid or whose plan does not fit the nodes
     asked for. Prints the Slurm job id and where its output goes.
     """
-    from relax_launch.runtime.sbatch import SbatchOptions, check_gpus, render, submit
+    from relax_launch.commands.sbatch import SbatchOptions, check_gpus, render, submit
 
     overrides = (*overrides, f"cluster.nnodes={nodes}") if nodes else overrides
     try:
@@ -194,7 +194,7 @@ def sbatch_command(
 def status_command(run: str, as_json: bool) -> None:
     """Where a job is: its state, last step, gateway address and engines (from the run
     directory, the live gateway, and Slurm for a job id)."""
-    from relax_launch.runtime.status import job_status, render_status
+    from relax_launch.commands.status import job_status, render_status
 
     try:
         status = job_status(run)
@@ -210,7 +210,7 @@ def stop_command(run_dir: str) -> None:
     --resume)."""
     from pathlib import Path
 
-    from relax_launch.runtime.stop import STOP_FILE
+    from relax_launch.run_dir import STOP_FILE
 
     (Path(run_dir) / STOP_FILE).touch()
     click.echo(f"relax-launch: asked the job in {run_dir} to stop after a checkpoint")

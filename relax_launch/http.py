@@ -2,9 +2,10 @@
 
 Per request, aiohttp takes about a tenth of the CPU of httpx's async client (docs/gateway.md,
 "Performance"), and the gateway and the controller each run on one event loop whose CPU is their
-throughput. Blocking callers run the same coroutines: on a ``LoopThread`` where connections
-are kept (the weight sync's control requests, the public ``InferenceClient``), with ``call``
-for one-shot requests (readiness probes, engine control off the sync path, the CLI).
+throughput. Blocking callers run the same coroutines: on a ``Portal`` (anyio's blocking
+portal) where connections are kept (the weight sync's control requests, the public
+``InferenceClient``), with ``call`` for one-shot requests (readiness probes, engine control off
+the sync path, the CLI).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+import anyio
 import orjson
+from anyio.from_thread import BlockingPortal
 
 T = TypeVar("T")
 log = logging.getLogger("relax_launch.http")
@@ -105,22 +108,35 @@ async def _once(method: str, url: str, json: Any, timeout_s: float) -> Reply:
         return await fetch(http, method, url, json=json, timeout_s=timeout_s)
 
 
-class LoopThread:
-    """An event loop on a daemon thread: blocking code runs coroutines on it."""
+class Portal:
+    """anyio's ``BlockingPortal`` on a daemon thread of its own (``name``): blocking code runs
+    coroutines and calls on its event loop, each wait bounded and named. Daemon, unlike
+    ``anyio.from_thread.start_blocking_portal``'s pool thread, so a loop stuck in a library can
+    never hold the process open at exit."""
 
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+    def __init__(self, name: str, start_s: float = 10.0) -> None:
+        started: Future[BlockingPortal] = Future()
+
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                started.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        self.thread = threading.Thread(target=anyio.run, args=(serve,), name=name, daemon=True)
         self.thread.start()
+        self.portal = started.result(start_s)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """Start ``coro`` on the loop; its result comes through the returned future."""
-        if not self.thread.is_alive() or threading.current_thread() is self.thread:
+        """Start ``coro`` on the loop; its result comes through the returned future (cancel
+        the future to cancel it)."""
+        if not self.running or threading.current_thread() is self.thread:
             coro.close()
-            raise RuntimeError(
-                f"{self.thread.name}: the event loop is closed, or this is its own thread"
-            )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+            raise RuntimeError(f"{self.thread.name}: the portal is closed, or this is its thread")
+        return self.portal.start_task_soon(_awaited, coro)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None, what: str) -> T:
         """``coro``'s result; after ``timeout_s`` it is cancelled and ``TimeoutError`` names
@@ -137,36 +153,26 @@ class LoopThread:
         return self.run(_open(**kwargs), 10.0, f"{self.thread.name}: opening a session")
 
     def close(self, timeout_s: float = 10.0, then: Coroutine[Any, Any, Any] | None = None) -> None:
-        """Cancel what still runs, await ``then`` (a session's close), stop the loop and join
-        its thread, each bounded."""
-        if not self.thread.is_alive():
+        """Await ``then`` (a session's close), cancel what still runs, stop the loop and join
+        its thread, each bounded by ``timeout_s``."""
+        if not self.running:
             if then is not None:
                 then.close()
             return
-        done = asyncio.run_coroutine_threadsafe(_cancel_others(then), self.loop)
         try:
-            done.result(timeout_s)
-        except TimeoutError:
-            log.warning(
-                "%s: tasks did not end within %.0f s of closing", self.thread.name, timeout_s
-            )
-        self.loop.call_soon_threadsafe(self.loop.stop)
+            if then is not None:
+                self.run(then, timeout_s, f"{self.thread.name}: closing")
+            self.portal.start_task_soon(self.portal.stop, True).result(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - closing goes on; the thread is a daemon
+            log.warning("%s: closing: %s: %s", self.thread.name, type(exc).__name__, exc)
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             log.warning("%s did not stop within %.0f s", self.thread.name, timeout_s)
-        else:
-            self.loop.close()
+
+
+async def _awaited(coro: Coroutine[Any, Any, T]) -> T:
+    return await coro
 
 
 async def _open(**kwargs: Any) -> aiohttp.ClientSession:
     return session(**kwargs)
-
-
-async def _cancel_others(then: Coroutine[Any, Any, Any] | None) -> None:
-    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in others:
-        task.cancel()
-    await asyncio.gather(*others, return_exceptions=True)
-    if then is not None:
-        await then
-    await asyncio.get_running_loop().shutdown_default_executor()

@@ -33,9 +33,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2
+    from relax_launch.rl.interfaces import JobStopped
     from relax_launch.rl.program import rl_program
+    from relax_launch.run_dir import EXIT_STOPPED
     from relax_launch.runtime.job import run_rank  # torch and friends: after validation
-    from relax_launch.runtime.stop import EXIT_STOPPED, JobStopped
 
     try:
         run_rank(job, placement, rl_program(job, prompts))

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from harness.processes import TEST_TAG, processes_tagged
 
-from relax_launch.inference.process import group_alive
 from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
+from relax_launch.processes import group_alive
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_START_TIMEOUT_S = 240.0

@@ -70,6 +70,7 @@ def test_rule6_job_config_stays_at_the_top():
         "relax_launch/launch.py",
         "relax_launch/rl/program.py",  # assembles the job from its sections
         "relax_launch/runtime/",
+        "relax_launch/commands/",  # the operator's commands read the whole job
         "relax_launch/placement/",
     )
     for path in SOURCES:
@@ -92,6 +93,18 @@ def test_rule12_no_global_state_or_kill_by_name():
     for path in scanned:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not pattern.search(line), f"{rel(path)}:{number}: {line.strip()}"
+
+
+def test_rule12_one_way_to_wait_and_to_check_a_process():
+    """A bounded wait ends at a ``relax_launch.deadline.Deadline``; whether a process runs is
+    psutil's answer (``relax_launch.processes``), not a parse of /proc."""
+    by_hand = re.compile(r"(monotonic|time|perf_counter)\(\) \+")
+    proc = re.compile(r"[\"']/proc[\"']|/proc/\{")
+    for path in SOURCES:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{rel(path)}:{number}: {line.strip()}"
+            assert path.name == "deadline.py" or not by_hand.search(line), f"use Deadline: {where}"
+            assert not proc.search(line), f"use relax_launch.processes (psutil): {where}"
 
 
 def test_rule13_one_name_per_role():

@@ -1,5 +1,5 @@
 """The one HTTP client: a refused connection reads as gone, a silent server as slow, and the
-blocking paths (one-shot ``call``, a ``LoopThread``) give the async path's answers."""
+blocking paths (one-shot ``call``, a ``Portal``) give the async path's answers."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import threading
 import pytest
 
 from relax_launch import http
-from relax_launch.inference.process import free_port
-from relax_launch.weights.engine_client import (
+from relax_launch.inference.engine import (
     EngineControl,
     EngineRequestError,
     EngineUnreachable,
     post,
 )
+from relax_launch.inference.process import free_port
 
 
 @pytest.fixture
@@ -69,11 +69,11 @@ def test_kept_alive_control_answers_like_the_one_shot_path(silent_server):
             pending.result(10)
     finally:
         control.close()
-    assert not control.loop.thread.is_alive()
+    assert not control.portal.running
 
 
-def test_loop_thread_cancels_what_it_gave_up_on_and_refuses_after_close():
-    runner = http.LoopThread("test-loop")
+def test_portal_cancels_what_it_gave_up_on_and_refuses_after_close():
+    runner = http.Portal("test-loop")
     cancelled = threading.Event()
 
     async def stuck() -> None:

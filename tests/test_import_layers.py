@@ -1,5 +1,5 @@
-"""The packages import one way: schema at the bottom, then the components, then the wiring, then
-the RL program on top (docs/contributing.md, "Layers").
+"""The packages import one way: schema at the bottom, then the components, then the RL algorithm,
+then the wiring that runs it, then the entry points (docs/contributing.md, "Layers").
 
 Every import in ``relax_launch/`` counts, including imports inside functions; only imports under
 ``if TYPE_CHECKING:`` are left out (they never run).
@@ -21,14 +21,19 @@ LAYERS = {
     "platform": 0,
     "models": 0,
     "http": 0,  # relax_launch/http.py: the one HTTP client library
+    "console": 0,  # relax_launch/console.py: the operator's console logger
+    "run_dir": 0,  # relax_launch/run_dir.py: the files a run directory holds
+    "deadline": 0,  # relax_launch/deadline.py: the end of every bounded wait
+    "processes": 0,  # relax_launch/processes.py: whether a PID or a process group runs
     "placement": 1,
     "inference": 1,
     "weights": 1,
     "trainer": 1,
-    "runtime": 2,
-    "rl": 3,
-    "launch": 3,  # the torchrun entry: assembles the RL program and the runtime
-    "cli": 3,
+    "rl": 2,  # the algorithm, on protocols that runtime implements
+    "runtime": 3,  # per-rank wiring: sessions, lifecycle, watchdog
+    "commands": 3,  # operator-side commands: launcher, sbatch, status
+    "launch": 4,  # the torchrun entry: assembles the RL program and the runtime
+    "cli": 4,
 }
 
 
@@ -118,11 +123,13 @@ def test_layers_import_one_way():
         ("trainer/x.py", "def f():\n    from relax_launch.rl import loop\n", "trainer (layer 1)"),
         # two components importing each other
         ("weights/x.py", "import relax_launch.trainer.model\n", "import each other"),
+        # the algorithm reaching into the wiring that runs it
+        ("rl/x.py", "from relax_launch.runtime.session import Session\n", "rl (layer 2)"),
     ],
 )
 def test_the_rule_catches_an_upward_import_and_a_cycle(tmp_path, source, extra, expected):
     fake = tmp_path / "relax_launch"
-    for unit in ("trainer", "weights", "rl"):
+    for unit in ("trainer", "weights", "rl", "runtime"):
         (fake / unit).mkdir(parents=True)
     (fake / "trainer" / "model.py").write_text("import relax_launch.weights.sync\n")
     (fake / source).write_text(extra)

@@ -1,43 +1,16 @@
-"""placement.mode=defer on the CPU (configs/defer_cpu.yaml) with the Python API."""
+"""placement.mode=defer on the CPU (configs/defer_cpu.yaml) with the Python API: every role on
+the same 2 ranks, taking turns, and a GenRM judge."""
 
-from relax_launch.config import (
-    AlgorithmConfig,
-    ClusterConfig,
-    DataConfig,
-    GenRMConfig,
-    JobConfig,
-    PlacementConfig,
-    RewardConfig,
-    RewardSource,
-    RolloutConfig,
-    TeacherConfig,
-    TrainerConfig,
-)
+from base import cpu, cpu_engines, quickstart, rewards, trainer
 
-SMOLLM2 = "builtin:smollm2-135m-instruct"
-ENGINE = {"max_total_tokens": 8192}
+from relax_launch.config import GenRMConfig, PlacementConfig, RolloutConfig
 
-config = JobConfig(
-    name="defer-cpu",
-    cluster=ClusterConfig(nnodes=1, nproc_per_node=2, device="cpu"),
+config = quickstart(
+    "defer-cpu",
+    cluster=cpu(2),
     placement=PlacementConfig(mode="defer"),
-    trainer=TrainerConfig(model=SMOLLM2, dtype="float32", lr=1e-5, micro_batch_size=4),
-    rollout=RolloutConfig(ranks=2, engine=ENGINE),
-    teacher=TeacherConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
-    genrm=GenRMConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
-    algorithm=AlgorithmConfig(
-        num_steps=12, n_samples_per_prompt=4, temperature=0.7, distill_coef=0.01
-    ),
-    data=DataConfig(
-        dataset="builtin:arithmetic",
-        prompts_per_step=4,
-        max_prompt_tokens=128,
-        max_response_tokens=16,
-    ),
-    reward=RewardConfig(
-        sources=(
-            RewardSource(name="answer", function="builtin:exact_numeric"),
-            RewardSource(name="judge", genrm=True, weight=0.5, fallback=0.0),
-        )
-    ),
+    trainer=trainer(),  # on every rank
+    rollout=cpu_engines(RolloutConfig, model=None, ranks=2),
+    genrm=cpu_engines(GenRMConfig),
+    reward=rewards(judge=True, fallback=0.0),
 )

@@ -1,30 +1,20 @@
-"""4 x 8 GPUs with a two-node teacher engine (configs/multinode_teacher_4x8.yaml) in Python."""
+"""4 x 8 GPUs with a two-node teacher engine (configs/multinode_teacher_4x8.yaml) in Python:
+the teacher is one engine of TP 8 x PP 2 over nodes 2-3."""
 
-from _gpu_common import ANSWER, QWEN3_8B, math_data
+from base import QWEN3_8B, math_data, qwen3_math, rewards
 
-from relax_launch.config import (
-    AlgorithmConfig,
-    ClusterConfig,
-    JobConfig,
-    PlacementConfig,
-    RewardConfig,
-    RolloutConfig,
-    TeacherConfig,
-    TrainerConfig,
-)
+from relax_launch.config import AlgorithmConfig, RolloutConfig, TeacherConfig, TrainerConfig
 
-config = JobConfig(
-    name="multinode-teacher",
-    cluster=ClusterConfig(nnodes=4, nproc_per_node=8, device="cuda"),
-    placement=PlacementConfig(mode="decoupled"),
+config = qwen3_math(
+    "multinode-teacher",
+    nnodes=4,
+    mode="decoupled",
     trainer=TrainerConfig(model=QWEN3_8B, ranks=8, tp_size=4, micro_batch_size=4),
-    rollout=RolloutConfig(ranks=8, ranks_per_engine=2),
-    teacher=TeacherConfig(
-        model="/models/Qwen3-235B-A22B", ranks=16, ranks_per_engine=16, tp_size=8, pp_size=2
-    ),
+    rollout=RolloutConfig(ranks=8, tp_size=2),
+    teacher=TeacherConfig(model="/models/Qwen3-235B-A22B", ranks=16, tp_size=8, pp_size=2),
     algorithm=AlgorithmConfig(
         num_steps=500, n_samples_per_prompt=8, distill_coef=0.5, off_policy_steps=1
     ),
     data=math_data(prompts_per_step=64, max_response_tokens=4096),
-    reward=RewardConfig(sources=(ANSWER,)),
+    reward=rewards(),
 )

@@ -1,43 +1,16 @@
-"""placement.mode=split on the CPU (configs/split_cpu.yaml) with the Python API."""
+"""placement.mode=split on the CPU (configs/split_cpu.yaml) with the Python API: the trainer on
+every rank, each engine on one of them, and a GenRM judge."""
 
-from relax_launch.config import (
-    AlgorithmConfig,
-    ClusterConfig,
-    DataConfig,
-    GenRMConfig,
-    JobConfig,
-    PlacementConfig,
-    RewardConfig,
-    RewardSource,
-    RolloutConfig,
-    TeacherConfig,
-    TrainerConfig,
-)
+from base import arithmetic, cpu, cpu_engines, quickstart, rewards, trainer
 
-SMOLLM2 = "builtin:smollm2-135m-instruct"
-ENGINE = {"max_total_tokens": 8192}
+from relax_launch.config import GenRMConfig, PlacementConfig
 
-config = JobConfig(
-    name="split-cpu",
-    cluster=ClusterConfig(nnodes=1, nproc_per_node=3, device="cpu"),
+config = quickstart(
+    "split-cpu",
+    cluster=cpu(3),
     placement=PlacementConfig(mode="split"),
-    trainer=TrainerConfig(model=SMOLLM2, dtype="float32", lr=1e-5, micro_batch_size=2),
-    rollout=RolloutConfig(ranks=1, engine=ENGINE),
-    teacher=TeacherConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
-    genrm=GenRMConfig(model=SMOLLM2, ranks=1, engine=ENGINE),
-    algorithm=AlgorithmConfig(
-        num_steps=12, n_samples_per_prompt=4, temperature=0.7, distill_coef=0.01
-    ),
-    data=DataConfig(
-        dataset="builtin:arithmetic",
-        prompts_per_step=3,
-        max_prompt_tokens=128,
-        max_response_tokens=16,
-    ),
-    reward=RewardConfig(
-        sources=(
-            RewardSource(name="answer", function="builtin:exact_numeric"),
-            RewardSource(name="judge", genrm=True, weight=0.5, fallback=0.0),
-        )
-    ),
+    trainer=trainer(micro_batch_size=2),  # on every rank
+    genrm=cpu_engines(GenRMConfig),
+    data=arithmetic(prompts_per_step=3),
+    reward=rewards(judge=True, fallback=0.0),
 )

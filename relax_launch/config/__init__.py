@@ -29,8 +29,8 @@ _EXPORTS = {
     "EvalConfig": "relax_launch.rl.config",
     "RewardConfig": "relax_launch.rl.config",
     "RewardSource": "relax_launch.rl.config",
-    "CheckpointConfig": "relax_launch.runtime.config",
-    "LoggingConfig": "relax_launch.runtime.config",
+    "CheckpointConfig": "relax_launch.rl.config",
+    "LoggingConfig": "relax_launch.rl.config",
     "TrainerConfig": "relax_launch.trainer.config",
     "WeightSyncConfig": "relax_launch.weights.config",
 }

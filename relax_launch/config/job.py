@@ -15,8 +15,14 @@ from relax_launch.inference.config import (
     TeacherConfig,
 )
 from relax_launch.placement.config import ClusterConfig, PlacementConfig
-from relax_launch.rl.config import AlgorithmConfig, DataConfig, EvalConfig, RewardConfig
-from relax_launch.runtime.config import CheckpointConfig, LoggingConfig
+from relax_launch.rl.config import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    RewardConfig,
+)
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
 
@@ -309,10 +315,11 @@ def _eval_problems(job: JobConfig) -> list[str]:
     if job.eval is None:
         return []
     problems = []
-    same_task = job.eval.dataset == job.data.dataset and job.data.dataset.startswith("builtin:")
-    if same_task and job.eval.seed == job.data.seed:
+    held_out = job.eval.data
+    same_task = held_out.dataset == job.data.dataset and job.data.dataset.startswith("builtin:")
+    if same_task and held_out.seed == job.data.seed:
         problems.append(
-            f"eval.seed={job.eval.seed} equals data.seed: {job.eval.dataset} would evaluate on "
-            "the training prompts; give eval.seed another value."
+            f"eval.data.seed={held_out.seed} equals data.seed: {held_out.dataset} would "
+            "evaluate on the training prompts; give eval.data.seed another value."
         )
     return problems

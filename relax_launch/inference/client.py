@@ -241,7 +241,7 @@ class InferenceClient:
             cache_ttl_s=cache_ttl_s,
             snapshot_provider=snapshot_provider,
         )
-        self.runner = http.LoopThread(f"relax-{role}-client")
+        self.runner = http.Portal(f"relax-{role}-client")
         # two attempts (a refusal is tried once more), each a discovery and a request
         self.wait_s = 2 * (2 * timeout_s) + RETRY_AFTER_S + WAIT_MARGIN_S
 

@@ -35,13 +35,12 @@ class InferenceRoleConfig(Section):
 
     model: str | None = Field(None, description="Model: a Hugging Face directory or builtin:NAME.")
     ranks: int = Field(1, description="Ranks this role uses, in total over all its engines.")
-    ranks_per_engine: int = Field(
-        1, ge=1, description="Ranks of one engine (= engine tp_size x pp_size)."
+    tp_size: int = Field(1, ge=1, description="Engine tensor-parallel size.")
+    pp_size: int = Field(
+        1,
+        ge=1,
+        description="Engine pipeline-parallel size; an engine spans tp_size x pp_size ranks.",
     )
-    tp_size: int | None = Field(
-        None, ge=1, description="Engine tensor-parallel size; default ranks_per_engine / pp_size."
-    )
-    pp_size: int = Field(1, ge=1, description="Engine pipeline-parallel size.")
     model_id: str | None = Field(
         None,
         min_length=1,
@@ -74,33 +73,28 @@ class InferenceRoleConfig(Section):
         if owned:
             raise ValueError(
                 f"{', '.join(owned)} are set by the placement planner; remove them from engine "
-                "(use ranks_per_engine, tp_size and pp_size of the role instead)"
+                "(use tp_size and pp_size of the role instead)"
             )
         return engine
 
-    @model_validator(mode="after")
-    def _engine_width_matches(self) -> InferenceRoleConfig:
-        if self.ranks_per_engine % self.pp_size:
+    @model_validator(mode="before")
+    @classmethod
+    def _one_way_to_size_an_engine(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "ranks_per_engine" in data:
             raise ValueError(
-                f"pp_size={self.pp_size} does not divide ranks_per_engine="
-                f"{self.ranks_per_engine}; an engine is tp_size x pp_size ranks"
+                "ranks_per_engine is not a field: an engine spans tp_size x pp_size ranks; "
+                f"state tp_size (and pp_size) instead, e.g. tp_size: {data['ranks_per_engine']}"
             )
-        if self.tp_size is not None and self.tp_size * self.pp_size != self.ranks_per_engine:
-            raise ValueError(
-                f"tp_size x pp_size = {self.tp_size} x {self.pp_size} must equal "
-                f"ranks_per_engine={self.ranks_per_engine}; set ranks_per_engine="
-                f"{self.tp_size * self.pp_size} or change tp_size/pp_size"
-            )
-        return self
+        return data
 
     def resolved_model_id(self, model: str) -> str:
         """The id clients use for ``model`` (this role's model reference)."""
         return self.model_id or model.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
 
     @property
-    def engine_tp_size(self) -> int:
-        """Tensor-parallel size of one engine."""
-        return self.tp_size or self.ranks_per_engine // self.pp_size
+    def ranks_per_engine(self) -> int:
+        """Ranks of one engine: tp_size x pp_size."""
+        return self.tp_size * self.pp_size
 
     @property
     def num_engines(self) -> int:

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import aiohttp
@@ -261,7 +261,7 @@ class EngineClients:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.timeout_s, self.metrics = timeout_s, ControllerMetrics(registry)
-        self.runner: http.LoopThread | None = None
+        self.runner: http.Portal | None = None
         self.cancelled: str | None = None  # why every wait was dropped (cancel_all)
         self._waits: set[Any] = set()  # the futures run() waits on
         self._waits_lock = threading.Lock()
@@ -285,21 +285,22 @@ class EngineClients:
 
     def start(self) -> None:
         """Start the loop and open the session every role's client shares."""
-        self.runner = http.LoopThread("relax-engine-clients")
+        self.runner = http.Portal("relax-engine-clients")
         # SGLang's HTTP server drops a connection idle for 5 s: reuse one only well before that
         self.session = self.runner.session(limit=MAX_CONNECTIONS, keepalive_s=KEEPALIVE_S)
         for client in self.clients.values():
             client.session = self.session
 
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
+    def running(self) -> bool:
+        return self.runner is not None and self.runner.running
+
+    def start_soon(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start ``coro`` on the job's loop (a task that runs on its own, e.g. the continuous
+        rollout's producer); cancel the returned future to cancel it."""
         if self.runner is None:
             raise RuntimeError("the controller's engine clients were not started")
-        return self.runner.loop
-
-    @property
-    def running(self) -> bool:
-        return self.runner is not None and self.runner.thread.is_alive()
+        return self.runner.submit(coro)
 
     def run(self, coro: Coroutine[Any, Any, T], what: str, timeout_s: float | None = None) -> T:
         """``coro``'s result, run on the job's loop; called from any other thread. Waits at

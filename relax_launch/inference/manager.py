@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
+from relax_launch.deadline import Deadline
 from relax_launch.inference.discovery import (
     Discovery,
     EngineRecord,
@@ -24,8 +25,7 @@ from relax_launch.inference.discovery import (
     State,
     WeightSource,
 )
-from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle
-from relax_launch.weights.engine_client import EngineRequestError
+from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle, EngineRequestError
 
 
 class LifecycleError(RuntimeError):
@@ -217,7 +217,7 @@ class InferenceManager:
         )
 
     def _drain_engines(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
+        deadline = Deadline(self.drain_timeout_s)
         for engine in self.engines:
             engine.call("pause_generation", {"mode": "abort"})
         for engine in self.engines:
@@ -227,7 +227,7 @@ class InferenceManager:
                     engine.call("flush_cache", {})  # succeeds only once the engine is idle
                     break
                 except EngineRequestError:
-                    if time.monotonic() > deadline:
+                    if deadline.passed:
                         raise TimeoutError(
                             f"engine {engine.engine_id} still busy after "
                             f"{self.drain_timeout_s:.0f} s; memory was not released"

@@ -26,6 +26,8 @@ from pathlib import Path
 import psutil
 
 from relax_launch import http
+from relax_launch.deadline import Deadline
+from relax_launch.processes import group_alive
 
 log = logging.getLogger("relax_launch.process")
 
@@ -132,8 +134,8 @@ class OwnedProcess:
         self.served = True
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline, moved, why = time.monotonic() + timeout_s, False, "not started"
-        while time.monotonic() < deadline:
+        deadline, moved, why = Deadline(timeout_s), False, "not started"
+        while not deadline.passed:
             listening = self._listening()
             if not listening and self._port_taken():
                 if moved or self.served or not self.port_chosen:
@@ -209,8 +211,8 @@ class OwnedProcess:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and group_alive(self.process.pid):
+        deadline = Deadline(timeout_s)
+        while not deadline.passed and group_alive(self.process.pid):
             self.process.poll()
             time.sleep(0.05)
         self.process.wait(timeout=5)
@@ -246,34 +248,3 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
     SGLang's scheduler and detokenizer follow their launcher by the same mechanism.
     """
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # 1 = PR_SET_PDEATHSIG
-
-
-def group_alive(pgid: int | None) -> bool:
-    """Whether any process of group ``pgid`` still runs (zombies of our own child aside)."""
-    if pgid is None:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return any(
-        _pgid_of(pid) == pgid and not _is_zombie(pid)
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
-    )
-
-
-def _pgid_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

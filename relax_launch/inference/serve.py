@@ -8,6 +8,7 @@ import time
 
 import uvicorn
 
+from relax_launch.deadline import Deadline
 from relax_launch.inference.gateway import InferenceGateway
 
 
@@ -44,9 +45,9 @@ class GatewayServer:
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.thread.start()
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(timeout_s)
         while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+            if not self.thread.is_alive() or deadline.passed:
                 raise RuntimeError(f"the gateway did not start on {self.url} within {timeout_s} s")
             time.sleep(0.01)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]

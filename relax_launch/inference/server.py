@@ -9,7 +9,10 @@ from typing import Any
 
 from relax_launch import http, platform
 from relax_launch.inference.process import OwnedProcess
-from relax_launch.weights.receiver import RECEIVER_PLUGIN
+
+# weight sync's receiver, an SGLang plugin of the project (weights/receiver.py): setup.py's
+# entry point of group sglang.srt.plugins
+RECEIVER_PLUGIN = "relax_launch_weights"
 
 
 def engine_cli_args(engine: dict[str, Any]) -> list[str]:

@@ -145,15 +145,16 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
             raise ConfigError(
                 f"rollout.pp_size={role.pp_size}: weight sync updates tensor-parallel rollout "
                 "engines only (each engine rank must hold whole layers' shards of every stage): "
-                "set rollout.pp_size=1 and use rollout.tp_size / ranks_per_engine instead. "
+                "set rollout.pp_size=1 and use rollout.tp_size instead. "
                 "Teacher and genrm engines, which are never synced, may use pp_size > 1.",
                 ("rollout.pp_size",),
             )
         if role.ranks % width:
             raise ConfigError(
-                f"{name}.ranks={role.ranks} is not a multiple of {name}.ranks_per_engine={width}:"
-                f" set {name}.ranks to a multiple of {width} (engines are whole).",
-                (f"{name}.ranks", f"{name}.ranks_per_engine"),
+                f"{name}.ranks={role.ranks} is not a multiple of one engine's {width} ranks "
+                f"({name}.tp_size x {name}.pp_size): set {name}.ranks to a multiple of {width} "
+                "(engines are whole).",
+                (f"{name}.ranks", f"{name}.tp_size"),
             )
         for index in range(role.num_engines):
             first = starts[name] + index * width
@@ -164,7 +165,7 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
                     role=name,
                     index=index,
                     ranks=ranks,
-                    tp_size=role.engine_tp_size,
+                    tp_size=role.tp_size,
                     pp_size=role.pp_size,
                     phase=_inference_phase(job.placement.mode, name),
                     nodes=tuple(sorted({r // per_node for r in ranks})),
@@ -179,15 +180,16 @@ def _check_engine_span(name: str, index: int, first: int, width: int, per_node: 
         raise ConfigError(
             f"{name} engine {index} (ranks {first}-{last}) would cross a node boundary "
             f"({per_node} ranks per node): change the ranks of the roles placed before it, or "
-            f"{name}.ranks_per_engine, so each engine fits inside one node.",
-            (f"{name}.ranks_per_engine",),
+            f"{name}.tp_size x {name}.pp_size, so each engine fits inside one node.",
+            (f"{name}.tp_size",),
         )
     if width > per_node and (width % per_node or first % per_node):
         raise ConfigError(
             f"{name} engine {index} spans {width} ranks from rank {first}, but an engine wider "
             f"than a node ({per_node} ranks) must use whole nodes: make "
-            f"{name}.ranks_per_engine a multiple of {per_node} and start it on a node boundary.",
-            (f"{name}.ranks_per_engine",),
+            f"{name}.tp_size x {name}.pp_size a multiple of {per_node} and start it on a node "
+            "boundary.",
+            (f"{name}.tp_size",),
         )
 
 

@@ -117,8 +117,8 @@ def _check_engine_fits(
         raise ConfigError(
             f"{role} engine tp_size={tp} must divide the model's {facts.num_attention_heads} "
             f"attention heads, and divide or be a multiple of its {kv} key/value heads: change "
-            f"{role}.ranks_per_engine / {role}.tp_size.",
-            (f"{role}.tp_size", f"{role}.ranks_per_engine"),
+            f"{role}.tp_size.",
+            (f"{role}.tp_size",),
         )
     if pp > facts.num_layers:
         raise ConfigError(
@@ -174,12 +174,12 @@ def check_runnable(job: JobConfig, plan: PlacementPlan) -> None:
     if not wide:
         return
     named = ", ".join(f"{e.role} engine {e.index} (nodes {list(e.nodes)})" for e in wide)
-    fields = tuple(dict.fromkeys(f"{e.role}.ranks_per_engine" for e in wide))
+    fields = tuple(dict.fromkeys(f"{e.role}.tp_size" for e in wide))
     if plan.mode != "decoupled":
         raise ConfigError(
             f"{named} would span nodes in placement.mode {plan.mode}: an engine wider than a "
             "node runs in decoupled placement only; give each engine at most "
-            "cluster.nproc_per_node ranks (ranks_per_engine / tp_size), or use decoupled.",
+            "cluster.nproc_per_node ranks (tp_size x pp_size), or use decoupled.",
             ("placement.mode", *fields),
         )
     if job.rollout.fault_tolerance and any(e.role == "rollout" for e in wide):

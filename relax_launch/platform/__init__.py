@@ -157,6 +157,15 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
 
 
+def current_device() -> torch.device:
+    """This process's device: its bound GPU (``bind_device``) where there is one, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for copies issued on ``device`` (a no-op on the CPU, where copies are synchronous)."""
     import torch

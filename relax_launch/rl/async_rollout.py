@@ -7,7 +7,7 @@ is at most ``k`` batches ahead of the weights the engines serve, and queues each
 returns each request's tokens so far), the sync runs on idle engines, and ``resume`` lets every
 interrupted generation continue from its own tokens with the new weights (a partial rollout).
 Each token carries the weight version that produced it; a sample whose oldest token is more
-than ``k`` versions old when trained is dropped and counted (``rl.loop.drop_stale``).
+than ``k`` versions old when trained is dropped and counted (``rl.phases.drop_stale``).
 
 With ``rollout.function``, each sample is a conversation (``rl/agent.py``) and each of its turns
 is interrupted and continued the same way.
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from relax_launch.deadline import Deadline
 from relax_launch.inference.client import InferenceError
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl.agent import AgentClient, RolloutFunction, converse, to_sample
@@ -69,7 +70,7 @@ class ContinuousRollout:
         self.tokens, self.since = 0, time.monotonic()  # generated since ``throughput`` last ran
 
     def start(self) -> None:
-        self.producer = asyncio.run_coroutine_threadsafe(self._produce(), self.engines.loop)
+        self.producer = self.engines.start_soon(self._produce())
 
     def close(self) -> None:
         if self.producer is not None:
@@ -80,10 +81,10 @@ class ContinuousRollout:
     def take(self, groups: int, timeout_s: float) -> list[Sample]:
         """The next ``groups`` finished groups' samples (in the order they finished)."""
         samples: list[Sample] = []
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(timeout_s)
         for _ in range(groups):
             try:
-                item = self.finished.get(timeout=max(deadline - time.monotonic(), 0.0))
+                item = self.finished.get(timeout=deadline.left())
             except queue.Empty:
                 raise TimeoutError(
                     f"the continuous rollout finished {len(samples) // self.n} of {groups} "
@@ -108,10 +109,10 @@ class ContinuousRollout:
         """Stop generating: nothing new starts, what runs is aborted and comes back with its
         tokens so far; returns when no request is in flight (the engines are idle)."""
         self._on_loop(self._set_paused, True)
-        deadline = time.monotonic() + PAUSE_S
+        deadline = Deadline(PAUSE_S)
         while self.in_flight:
             self.abort()  # again: a request sent just before the first abort reached no engine
-            if time.monotonic() > deadline:
+            if deadline.passed:
                 raise TimeoutError(
                     f"{self.in_flight} rollout requests still in flight {PAUSE_S:.0f} s after "
                     "they were aborted for the weight sync"
@@ -124,10 +125,13 @@ class ContinuousRollout:
         self._on_loop(self._set_paused, False)
 
     def _on_loop(self, function: Callable[[bool], None], value: bool) -> None:
-        self.engines.loop.call_soon_threadsafe(function, value)
-        deadline = time.monotonic() + PAUSE_S
-        while self.paused != value and time.monotonic() < deadline:
-            time.sleep(0.01)
+        try:
+            self.engines.start_soon(_called(function, value)).result(PAUSE_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the continuous rollout's {'pause' if value else 'resume'} did not run within "
+                f"{PAUSE_S:.0f} s: the engine clients' event loop is blocked"
+            ) from None
 
     # ---- the event loop's side -----------------------------------------------------------
 
@@ -236,3 +240,7 @@ class ContinuousRollout:
         meta |= {"token_versions": versions, "weight_version": str(oldest)}
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         return {"text": text, "output_ids": out, "meta_info": meta}
+
+
+async def _called(function: Callable[[bool], None], value: bool) -> None:
+    function(value)  # on the loop: its events are the loop's

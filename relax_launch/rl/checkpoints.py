@@ -1,19 +1,108 @@
-"""When the RL loop saves a checkpoint, and how it stops on request (after saving one)."""
+"""Checkpoints of a run: where they go and how they are laid out, when the loop saves one, and
+how a stop saves the last finished step.
+
+Layout under ``checkpoint.dir`` (unset: the run directory's ``checkpoints/``, written only on a
+stop)::
+
+    step_000012/trainer_tp0_pp0.pt   model + optimizer of one shard (written by its DP-0 rank)
+    step_000012/controller.json      RL step, prompt cursor, counters (written by rank 0)
+    step_000012/COMPLETE             written last: a directory without it is ignored
+
+A crash while saving leaves an incomplete directory that resume skips and ``keep_last`` does not
+count. Every file is written durably (``write_durably``: written under a temporary name, fsynced,
+renamed, the directory fsynced), and the marker only after them all, so a checkpoint marked
+complete survives a power loss or a node that dies right after. The trainer ranks write their
+shards themselves (``Trainer.save``, through the job), rank 0 writes the rest.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from relax_launch.runtime.console import operator_log
-from relax_launch.runtime.stop import JobStopped, resume_command, write_end_record
+from relax_launch.console import operator_log
+from relax_launch.rl.data import PromptCursor
+from relax_launch.rl.interfaces import JobStopped
 
 if TYPE_CHECKING:
-    from relax_launch.rl.loop import RLContext
+    from relax_launch.rl.context import RLContext
 
 log = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+CONTROLLER = "controller.json"
+
+
+class Checkpoints:
+    """The checkpoint directory of one run: where a step goes, what is newest, what to prune."""
+
+    def __init__(self, directory: Path, keep_last: int) -> None:
+        self.directory, self.keep_last = directory, keep_last
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / f"step_{step:06d}"
+
+    def complete_steps(self) -> list[tuple[int, Path]]:
+        """Every complete checkpoint (step, directory), oldest first."""
+        return sorted(
+            (int(d.name[5:]), d)
+            for d in self.directory.glob("step_*")
+            if d.name[5:].isdigit() and (d / COMPLETE).is_file()
+        )
+
+    def newest(self) -> tuple[int, Path] | None:
+        """The newest complete checkpoint (step, directory), or None."""
+        complete = self.complete_steps()
+        return complete[-1] if complete else None
+
+    def prepare(self, step: int) -> Path:
+        """An empty directory for ``step`` (a leftover incomplete one is cleared)."""
+        target = self.step_dir(step)
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        return target
+
+    def complete(self, step: int, controller: dict[str, Any]) -> Path:
+        """Write the controller's state and the marker, then drop the complete checkpoints
+        beyond ``keep_last`` (0 keeps all) and the incomplete ones older than this one."""
+        target = self.step_dir(step)
+        write_durably(target / CONTROLLER, json.dumps(controller, indent=1).encode())
+        write_durably(target / COMPLETE, str(step).encode())  # its directory fsync covers the
+        # trainer shards' renames too (each shard's data was fsynced by the rank that wrote it)
+        complete = self.complete_steps()
+        dropped = complete[: -self.keep_last] if self.keep_last else []
+        for _, directory in dropped:
+            shutil.rmtree(directory, ignore_errors=True)
+        for d in self.directory.glob("step_*"):  # left by a crash while saving
+            if d.name[5:].isdigit() and int(d.name[5:]) < step and not (d / COMPLETE).exists():
+                shutil.rmtree(d, ignore_errors=True)
+        return target
+
+    @staticmethod
+    def controller_state(directory: Path) -> dict[str, Any]:
+        return json.loads((directory / CONTROLLER).read_text())
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``: all of it or nothing, and on disk before this returns (fsync
+    of the file, then of its directory after the rename)."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def checkpoint_due(ctx: RLContext, step: int, num_steps: int) -> bool:
@@ -25,39 +114,33 @@ def checkpoint_due(ctx: RLContext, step: int, num_steps: int) -> bool:
     return step == num_steps or (every > 0 and step % every == 0)
 
 
-def save_checkpoint(ctx: RLContext, step: int) -> None:
-    """The trainer shards, then the controller's position, then the completion marker."""
+def save_checkpoint(ctx: RLContext, step: int, cursor: PromptCursor) -> None:
+    """The trainer shards, then the controller's position (``cursor``: right after the prompts
+    of the last trained batch), then the completion marker."""
     directory = ctx.checkpoints.prepare(step)
-    ctx.session.save_trainer(str(directory))
+    ctx.job.save_trainer(str(directory))
     state = {
         "step": step,
-        "prompts": dataclasses.asdict(ctx.trained_cursor),
-        "skipped_prompts": ctx.skipped_prompts,
+        "prompts": dataclasses.asdict(cursor),
+        "skipped_prompts": ctx.feed.skipped,
     }
     ctx.checkpoints.complete(step, state)
     operator_log().info(f"relax-launch: checkpoint of step {step} in {directory}")
 
 
-def stop_job(ctx: RLContext, reason: str, done: int, num_steps: int, log_dir: Path) -> None:
-    """After a stop request: the checkpoint of the last finished step (unless saved already),
-    the end record, and the command that resumes; raises ``JobStopped``."""
+def stop_job(ctx: RLContext, reason: str, done: int, num_steps: int, cursor: PromptCursor) -> None:
+    """After a stop request: the checkpoint of the last finished step (unless saved already);
+    raises ``JobStopped`` naming the newest checkpoint (the job reports the end)."""
     newest = ctx.checkpoints.newest()
-    lost = ""
     if done > 0 and (newest is None or newest[0] != done):
         try:
-            save_checkpoint(ctx, done)
-        except Exception as exc:  # noqa: BLE001 - say what is lost, resume from what is there
+            save_checkpoint(ctx, done, cursor)
+        except Exception:  # noqa: BLE001 - the newest one left is what a resume takes
             log.exception("relax-launch: the stop's checkpoint failed")
-            lost = f"the checkpoint of step {done} failed ({type(exc).__name__}: {exc}); "
+            operator_log().error(
+                f"relax-launch: the checkpoint of step {done} failed (its rank's log says why);"
+                " the steps since the newest checkpoint are lost"
+            )
         newest = ctx.checkpoints.newest()
     checkpoint = str(newest[1]) if newest is not None else None
-    resume = resume_command() if checkpoint else None
-    write_end_record(log_dir, "stopped", reason, step=done, checkpoint=checkpoint, resume=resume)
-    if checkpoint:
-        where = f"{lost}checkpoint {checkpoint}; resume with: {resume}"
-    else:
-        where = f"{lost}no step finished, nothing to resume: run it again"
-    operator_log().warning(
-        f"relax-launch: stopped by {reason} after step {done} of {num_steps}; {where}"
-    )
-    raise JobStopped(reason, done)
+    raise JobStopped(reason, done, num_steps, checkpoint)

@@ -27,22 +27,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from relax_launch.rl.context import RLContext, StepResult
 from relax_launch.rl.dynamic_sampling import GroupSelection
-from relax_launch.rl.loop import (
-    RLContext,
+from relax_launch.rl.interfaces import Coordinator, StepAbandoned, TurnRefused
+from relax_launch.rl.phases import (
     RolloutBatch,
     finish_batch,
     generate,
     score_rewards,
     score_teacher,
     step_record,
-    sync_metrics,
+    sync,
     timed,
     train,
 )
 from relax_launch.rl.samples import Sample
-from relax_launch.runtime.lifecycle import TRAINER, Lease, LeaseError, LifecycleCoordinator
-from relax_launch.runtime.stop import StepAbandoned
 
 
 class PhaseError(RuntimeError):
@@ -63,7 +62,7 @@ class BatchWork(Protocol):
 class Turns:
     """Grants and releases through the coordinator, timing each and adding up bytes moved."""
 
-    coordinator: LifecycleCoordinator
+    coordinator: Coordinator
     batch: int
     seconds: dict[str, float]
     moved: dict[str, float] = field(default_factory=dict)  # e.g. "engines_offloaded": bytes
@@ -95,7 +94,7 @@ class Turns:
         name = f"{verb}_{role}" + (f"_{'+'.join(parts)}" if parts else "")
         with timed(self.seconds if own_time else {}, name), self.phase(name, role):
             result = getattr(self.coordinator, action)(role, parts, f"{self.batch}:{name}")
-        key = f"{'trainer' if role == TRAINER else 'engines'}_{verb}ed"
+        key = f"{'trainer' if role == 'trainer' else 'engines'}_{verb}ed"
         with self.counting:  # split moves several roles at once
             self.moved[key] = self.moved.get(key, 0.0) + result.get("bytes", 0.0)
 
@@ -104,7 +103,7 @@ class Turns:
         """An error inside names the phase, the role and its ranks."""
         try:
             yield
-        except (LeaseError, PhaseError):
+        except (TurnRefused, PhaseError):
             raise  # already names the role and its ranks
         except Exception as exc:
             member = self.coordinator.members[role].describe()
@@ -146,7 +145,7 @@ def produce(work: BatchWork, turns: Turns, *, split: bool, scorers: tuple[str, .
 
 def run_batch(
     work: BatchWork,
-    coordinator: LifecycleCoordinator,
+    coordinator: Coordinator,
     batch: int,
     *,
     split: bool,
@@ -176,10 +175,9 @@ def hand_back(turns: Turns) -> None:
     """After a batch abandoned for a stop: every inference role offloads what it holds, in the
     order they were registered, then the trainer takes its ranks back (its checkpoint needs its
     parameters and optimizer state where they belong)."""
-    for role, member in turns.coordinator.members.items():
-        if member.inference and (member.resident or member.lease is not Lease.SLEEPING):
-            turns.give(role)
-    turns.take(TRAINER)
+    for role in turns.coordinator.holding():
+        turns.give(role)
+    turns.take("trainer")
 
 
 @dataclass
@@ -197,18 +195,16 @@ class RLBatchWork:
     batch: RolloutBatch | None = None
 
     def sync(self) -> None:
-        with timed(self.seconds, "sync"):
-            reports = self.ctx.session.sync_weights(self.step)
-        self.metrics |= sync_metrics(reports, self.seconds["sync"])
+        self.metrics |= sync(self.ctx, self.step, self.seconds)
 
     def generate(self) -> None:
-        with self.ctx.session.stop.abandonable():
+        with self.ctx.job.stop.abandonable():
             self.samples, self.cursor = generate(self.ctx, self.seconds)
         self.rewarded = False
 
     def score(self, role: str) -> None:
         if role == "teacher":
-            with self.ctx.session.stop.abandonable():
+            with self.ctx.job.stop.abandonable():
                 score_teacher(self.ctx, self.samples, self.seconds)
         else:  # the genrm judges inside the reward sources
             self.reward_round()
@@ -216,7 +212,7 @@ class RLBatchWork:
     def reward_round(self) -> None:
         """The round's rewards, once (in the genrm's turn, or after the last turn)."""
         if not self.rewarded:
-            with self.ctx.session.stop.abandonable():
+            with self.ctx.job.stop.abandonable():
                 self.round_metrics = score_rewards(self.ctx, self.samples, self.seconds)
             self.rewarded = True
 
@@ -251,17 +247,17 @@ class EvalWork:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def sync(self) -> None:
-        self.ctx.session.sync_weights(self.version)
+        self.ctx.job.sync_weights(self.version)
 
     def generate(self) -> None:
-        with self.ctx.session.stop.abandonable():
+        with self.ctx.job.stop.abandonable():
             self.samples = self.ctx.evaluation.sample(
-                self.ctx.engines, self.ctx.data.max_response_tokens
+                self.ctx.job.engines, self.ctx.data.max_response_tokens
             )
 
     def score(self, role: str) -> None:
         if role == "genrm":
-            with self.ctx.session.stop.abandonable():
+            with self.ctx.job.stop.abandonable():
                 self.rewards = self.ctx.rewards.score(self.samples)
 
     def enough(self) -> bool:
@@ -269,29 +265,42 @@ class EvalWork:
 
     def finish(self) -> None:
         if self.rewards is None:
-            with self.ctx.session.stop.abandonable():
+            with self.ctx.job.stop.abandonable():
                 self.rewards = self.ctx.rewards.score(self.samples)
         self.metrics = self.ctx.evaluation.summarize(self.samples, self.rewards)
 
 
-def colocated_step(ctx: RLContext, step: int, num_steps: int) -> dict[str, float]:
-    """One RL step of a split or defer job (``run``'s step function there); batch ``2 * step``
-    trains, batch ``2 * step + 1`` evaluates the weights it trained when evaluation is due."""
-    ctx.seconds = seconds = {}
-    work = RLBatchWork(ctx, step, seconds)
-    split = ctx.session.plan.mode == "split"
-    turns = run_batch(work, ctx.coordinator, 2 * step, split=split, seconds=seconds)
-    ctx.trained_cursor = work.batch.cursor
-    with timed(seconds, "train"):
-        metrics = train(ctx, work.samples)
-    metrics |= {f"memory/{k}_gb": v / 1e9 for k, v in turns.moved.items()}
-    if ctx.evaluation is not None and ctx.evaluation.due(step + 1, num_steps):
-        evaluation = EvalWork(ctx, step + 1)
-        judge = tuple(r for r in ("genrm",) if r in ctx.coordinator.members)
+class Colocated:
+    """The step of a ``split`` or ``defer`` job: batch ``2 * step`` trains; batch ``2 * step +
+    1`` evaluates the weights it trained when evaluation is due (the other schedules evaluate
+    between steps, in ``rl/runner.py``)."""
+
+    def __init__(self, ctx: RLContext, coordinator: Coordinator, num_steps: int) -> None:
+        self.ctx, self.coordinator, self.num_steps = ctx, coordinator, num_steps
+        self.split = ctx.job.plan.mode == "split"
+
+    def step(self, step: int) -> StepResult:
+        ctx, seconds = self.ctx, {}
+        work = RLBatchWork(ctx, step, seconds)
+        turns = run_batch(work, self.coordinator, 2 * step, split=self.split, seconds=seconds)
+        metrics = train(ctx, work.samples, seconds)
+        metrics |= {f"memory/{k}_gb": v / 1e9 for k, v in turns.moved.items()}
+        if ctx.evaluation is not None and ctx.evaluation.due(step + 1, self.num_steps):
+            metrics |= self.evaluate(step, seconds)
+        return StepResult(step_record(ctx, step, work.batch, metrics), work.batch.cursor, seconds)
+
+    def evaluate(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
+        """The evaluation batch, in turns of its own (one more round of onloads); abandoned
+        by a stop, the step still counts (it trained)."""
+        evaluation = EvalWork(self.ctx, step + 1)
+        judge = tuple(r for r in ("genrm",) if r in self.coordinator.members)
         try:
-            with timed(seconds, "eval"):  # its turns inside: one more round of onloads
-                run_batch(evaluation, ctx.coordinator, 2 * step + 1, split=split, scorers=judge)
-            metrics |= evaluation.metrics
-        except StepAbandoned:  # the step trained: it counts, its evaluation does not
-            pass
-    return step_record(ctx, step, work.batch, metrics, stale=0)
+            with timed(seconds, "eval"):
+                batch = 2 * step + 1
+                run_batch(evaluation, self.coordinator, batch, split=self.split, scorers=judge)
+        except StepAbandoned:
+            return {}
+        return evaluation.metrics
+
+    def close(self) -> None:
+        self.coordinator.close()

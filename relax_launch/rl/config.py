@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
 
@@ -127,8 +128,11 @@ class AlgorithmConfig(Section):
         return self
 
 
-class DataConfig(Section):
-    """Where prompts come from and how long prompts and responses may be."""
+class PromptSource(Section):
+    """Where prompts come from, and which fields of a dataset file hold them: the part of the
+    data section that ``eval.data`` shares."""
+
+    where: ClassVar[str] = "data"  # the section's path, in messages
 
     dataset: str = Field(
         "builtin:arithmetic",
@@ -147,10 +151,6 @@ class DataConfig(Section):
     label_key: str = Field(
         "label", min_length=1, description="The field holding the label reward functions see."
     )
-    prompts_per_step: int = Field(4, ge=1, description="Prompts drawn per RL step.")
-    max_prompt_tokens: int = Field(256, ge=1, description="Longest prompt, in tokens.")
-    max_response_tokens: int = Field(128, ge=1, description="Longest sampled response, in tokens.")
-    shuffle: bool = Field(True, description="Shuffle prompts (deterministically from seed).")
     seed: int = Field(0, description="Seed of prompt shuffling and built-in task generation.")
 
     @field_validator("dataset")
@@ -170,20 +170,30 @@ class DataConfig(Section):
         return dataset
 
     @model_validator(mode="after")
-    def _mapping_acts(self) -> DataConfig:
+    def _mapping_acts(self) -> PromptSource:
         """Keys and splits that the dataset would never read are refused."""
         mapping = {"prompt_key", "messages_key", "label_key"} & self.model_fields_set
-        if self.dataset.startswith("builtin:") and mapping | ({"split"} & self.model_fields_set):
+        named = sorted(mapping | {"split"} & self.model_fields_set)
+        if self.dataset.startswith("builtin:") and named:
+            fields = ", ".join(f"{self.where}.{name}" for name in named)
             raise ValueError(
-                f"data.{', data.'.join(sorted(mapping | {'split'} & self.model_fields_set))} "
-                f"names fields of a dataset file; {self.dataset} has its own: remove it"
+                f"{fields} names fields of a dataset file; {self.dataset} has its own: remove it"
             )
         if "split" in self.model_fields_set and Path(self.dataset).suffix:
             raise ValueError(
-                f"data.split selects a split of a dataset directory; {self.dataset} is one file: "
-                "remove data.split"
+                f"{self.where}.split selects a split of a dataset directory; {self.dataset} is "
+                f"one file: remove {self.where}.split"
             )
         return self
+
+
+class DataConfig(PromptSource):
+    """Where the training prompts come from and how long prompts and responses may be."""
+
+    prompts_per_step: int = Field(4, ge=1, description="Prompts drawn per RL step.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Longest prompt, in tokens.")
+    max_response_tokens: int = Field(128, ge=1, description="Longest sampled response, in tokens.")
+    shuffle: bool = Field(True, description="Shuffle prompts (deterministically from seed).")
 
 
 class RewardSource(Section):
@@ -247,19 +257,45 @@ class RewardConfig(Section):
         return any(s.genrm for s in self.sources)
 
 
+class EvalData(PromptSource):
+    """The held-out prompts: a data section's source, read in file order."""
+
+    where: ClassVar[str] = "eval.data"
+
+    dataset: str = Field(description="Held-out prompts, in any data.dataset form.")
+    split: str = Field("test", description="The split of a dataset directory.")
+    seed: int = Field(
+        1, description="Seed of a built-in task's prompts (data.seed draws the training ones)."
+    )
+
+
+class SamplingConfig(Section):
+    """How responses are sampled."""
+
+    n_samples: int = Field(1, ge=1, description="Samples per prompt.")
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature; 0: greedy (then n_samples must be 1)."
+    )
+    max_response_tokens: int | None = Field(
+        None, ge=1, description="Longest response; unset: data.max_response_tokens."
+    )
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> SamplingConfig:
+        if self.temperature == 0 and self.n_samples > 1:
+            raise ValueError(
+                f"temperature=0 is greedy: its {self.n_samples} samples would be the same; "
+                "set n_samples=1 or a temperature > 0"
+            )
+        return self
+
+
 class EvalConfig(Section):
     """Periodic evaluation on held-out prompts with the rollout engines' current weights."""
 
-    dataset: str = Field(
-        description="Held-out prompts, in any data.dataset form (builtin:NAME, .jsonl, .parquet, "
-        "a dataset directory)."
-    )
-    split: str = Field("test", description="The split of a dataset directory.")
-    prompt_key: str = Field("prompt", min_length=1, description="As data.prompt_key.")
-    messages_key: str = Field("messages", min_length=1, description="As data.messages_key.")
-    label_key: str = Field("label", min_length=1, description="As data.label_key.")
-    seed: int = Field(
-        1, description="Seed of a built-in task's prompts (data.seed draws the training ones)."
+    data: EvalData = Field(description="The held-out prompts (dataset, split, keys, seed).")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="How eval responses are sampled (greedy)."
     )
     max_prompts: int | None = Field(
         None, ge=1, description="Evaluate the first this-many prompts (file order); unset: all."
@@ -270,13 +306,6 @@ class EvalConfig(Section):
         description="Evaluate after every this-many steps, and after the last; 0: only "
         "after the last.",
     )
-    n_samples: int = Field(1, ge=1, description="Samples per prompt.")
-    temperature: float = Field(
-        0.0, ge=0, description="Sampling temperature; 0: greedy (then n_samples must be 1)."
-    )
-    max_response_tokens: int | None = Field(
-        None, ge=1, description="Longest response; unset: data.max_response_tokens."
-    )
     pass_threshold: float = Field(
         1.0, description="A sample whose summed reward reaches this passes (for pass@k)."
     )
@@ -285,29 +314,69 @@ class EvalConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _sampling_consistent(self) -> EvalConfig:
-        if self.temperature == 0 and self.n_samples > 1:
+    def _pass_k_in_range(self) -> EvalConfig:
+        n = self.sampling.n_samples
+        if not self.pass_k or any(k < 1 or k > n for k in self.pass_k):
             raise ValueError(
-                f"eval.temperature=0 is greedy: its {self.n_samples} samples would be the same; "
-                "set eval.n_samples=1 or a temperature > 0"
+                f"eval.pass_k={list(self.pass_k)} needs each k in 1..eval.sampling.n_samples={n}"
             )
-        if not self.pass_k or any(k < 1 or k > self.n_samples for k in self.pass_k):
-            raise ValueError(
-                f"eval.pass_k={list(self.pass_k)} needs each k in 1..eval.n_samples="
-                f"{self.n_samples}"
-            )
-        try:
-            self.data()
-        except ValidationError as exc:  # the data section's own checks, named for eval
-            reasons = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-            raise ValueError(reasons.replace("data.", "eval.")) from None
         return self
 
-    def data(self) -> DataConfig:
-        """The eval prompts as a data section (its readers, key mapping and checks), in file
-        order."""
-        keys = ("split", "prompt_key", "messages_key", "label_key")
-        fields = {k: getattr(self, k) for k in keys if k in self.model_fields_set}
-        if not self.dataset.startswith("builtin:") and not Path(self.dataset).suffix:
-            fields["split"] = self.split  # a directory: its test split unless told otherwise
-        return DataConfig(dataset=self.dataset, shuffle=False, seed=self.seed, **fields)
+
+class CheckpointConfig(Section):
+    """Trainer state + step + data position, saved every K steps."""
+
+    dir: str | None = Field(
+        None,
+        description="Checkpoint directory ({name} is the job name). Unset: a checkpoint is "
+        "written only when the job is stopped, into {logging.dir}/checkpoints.",
+    )
+    every_steps: int = Field(
+        0, ge=0, description="Save every K steps; 0 saves only at the end (always when dir is set)."
+    )
+    keep_last: int = Field(2, ge=0, description="Checkpoints kept in dir; 0 keeps every one.")
+    resume: bool = Field(
+        False,
+        description="Continue from the newest complete checkpoint in dir (unset: in "
+        "{logging.dir}/checkpoints): trainer state, step, prompt position; with none there "
+        "yet, start from the beginning.",
+    )
+
+
+class WandbConfig(Section):
+    """Weights & Biases logging of the per-step metrics (the run is named after the job)."""
+
+    project: str = Field(description="W&B project the run is logged to.")
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="'online': stream to the W&B server (needs `wandb login` or WANDB_API_KEY); "
+        "'offline': keep the run under {logging.dir}/wandb for `wandb sync` later.",
+    )
+
+
+class LoggingConfig(Section):
+    """Where the job writes its logs and metrics."""
+
+    dir: str = Field("runs/{name}", description="Output directory; {name} is the job name.")
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of every rank."
+    )
+    tensorboard: bool = Field(
+        True,
+        description="Also write TensorBoard event files into dir (`tensorboard --logdir DIR`).",
+    )
+    wandb: WandbConfig | None = Field(
+        None,
+        description="Also log the per-step metrics to Weights & Biases, e.g. "
+        "{project: my-project, mode: offline}; unset: off.",
+    )
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, wandb: WandbConfig | None) -> WandbConfig | None:
+        if wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                "logging.wandb is set but the wandb package is not installed: "
+                "pip install -c requirements/pins.txt wandb (or unset logging.wandb)"
+            )
+        return wandb

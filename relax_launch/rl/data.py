@@ -3,7 +3,7 @@
 
 A row has ``prompt`` (text) or ``messages`` (chat), and optionally ``label`` and
 ``data_source``; ``data.prompt_key``, ``messages_key`` and ``label_key`` name other fields. The
-chat template is the tokenizer's (``rl.loop.next_prompts``). Built-in tasks are generated
+chat template is the tokenizer's (``rl.context.PromptFeed``). Built-in tasks are generated
 locally from the seed (no downloads) and carry checkable labels:
   arithmetic  "What is 17 + 25? ..."  label "42"           (reward builtin:exact_numeric)
   format      "... End with the line 'Answer: <word>'"      (reward builtin:format)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_launch.rl.config import DataConfig
+from relax_launch.rl.config import PromptSource
 
 WORDS = ("cat", "light", "tree", "blue", "rain", "sing", "moon", "day", "fun", "cold", "go", "red")
 
@@ -98,7 +98,7 @@ BUILTIN_TASKS = {"arithmetic": arithmetic, "format": format_task, "word_problems
 BUILTIN_SIZE = 1000
 
 
-def load_prompts(data: DataConfig) -> list[Prompt]:
+def load_prompts(data: PromptSource) -> list[Prompt]:
     """Every prompt of ``data.dataset``: a built-in task, or the rows of a JSONL file, a Parquet
     file or an HF ``datasets`` directory, read with the data's key mapping. Errors name the file
     and the line or row, and what to do."""
@@ -106,11 +106,11 @@ def load_prompts(data: DataConfig) -> list[Prompt]:
         return BUILTIN_TASKS[data.dataset[8:]](BUILTIN_SIZE, data.seed)
     prompts = [from_row(row, i, where, data) for i, (where, row) in enumerate(read_rows(data))]
     if not prompts:
-        raise ValueError(f"data.dataset {data.dataset} has no prompts")
+        raise ValueError(f"{data.where}.dataset {data.dataset} has no prompts")
     return prompts
 
 
-def read_rows(data: DataConfig) -> Iterator[tuple[str, Any]]:
+def read_rows(data: PromptSource) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row of the dataset's file or directory."""
     path = Path(data.dataset).expanduser()
     if path.suffix == ".jsonl":
@@ -167,7 +167,7 @@ def _json_row(line: str, where: str) -> Any:
         raise ValueError(f"{where}: not JSON ({exc})") from None
 
 
-def from_row(row: Any, index: int, where: str, data: DataConfig) -> Prompt:
+def from_row(row: Any, index: int, where: str, data: PromptSource) -> Prompt:
     """A prompt from one row: its ``prompt_key`` text or ``messages_key`` chat, and the optional
     ``label_key`` and ``data_source``."""
     if not isinstance(row, dict):
@@ -180,8 +180,8 @@ def from_row(row: Any, index: int, where: str, data: DataConfig) -> Prompt:
     else:
         raise ValueError(
             f"{where}: needs a non-empty {data.prompt_key!r} string or {data.messages_key!r} list "
-            f"of {{role, content}} (fields: {', '.join(row)}); set data.prompt_key or "
-            "data.messages_key to the dataset's field"
+            f"of {{role, content}} (fields: {', '.join(row)}); set {data.where}.prompt_key "
+            f"or {data.where}.messages_key to the dataset's field"
         )
     label = row.get(data.label_key)
     return Prompt(

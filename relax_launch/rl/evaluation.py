@@ -29,7 +29,7 @@ class Evaluation:
 
     def __init__(self, config: EvalConfig, tokenizer: Any, max_prompt_tokens: int) -> None:
         self.config = config
-        prompts = load_prompts(config.data())[: config.max_prompts]
+        prompts = load_prompts(config.data)[: config.max_prompts]
         self.prompts: list[tuple[Prompt, list[int]]] = []
         for prompt in prompts:
             ids = prompt_ids(tokenizer, prompt)
@@ -38,7 +38,7 @@ class Evaluation:
         self.skipped = len(prompts) - len(self.prompts)
         if not self.prompts:
             raise ValueError(
-                f"eval.dataset {config.dataset}: every prompt is longer than "
+                f"eval.data.dataset {config.data.dataset}: every prompt is longer than "
                 f"data.max_prompt_tokens={max_prompt_tokens}"
             )
 
@@ -56,13 +56,13 @@ class Evaluation:
 
     def sample(self, engines: EngineClients, max_response_tokens: int) -> list[Sample]:
         """``n_samples`` per eval prompt from the rollout engines' current weights."""
-        c = self.config
+        sampling = self.config.sampling
         return rollout.generate(
             engines,
             self.prompts,
-            n=c.n_samples,
-            temperature=c.temperature,
-            max_tokens=c.max_response_tokens or max_response_tokens,
+            n=sampling.n_samples,
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_response_tokens or max_response_tokens,
         )
 
     def summarize(
@@ -70,7 +70,7 @@ class Evaluation:
     ) -> dict[str, float]:
         """``eval/reward``, ``eval/pass@k``, the mean response length and failed rewards, from
         scored samples and the reward sources' metrics."""
-        c = self.config
+        c, n = self.config, self.config.sampling.n_samples
         scored = [s for s in samples if s.valid]
         out = {
             "eval/reward": sum(s.reward for s in scored) / len(scored),
@@ -83,8 +83,8 @@ class Evaluation:
         for k in c.pass_k:
             per_prompt = []
             for group in range(len(self.prompts)):
-                mine = samples[group * c.n_samples : (group + 1) * c.n_samples]
+                mine = samples[group * n : (group + 1) * n]
                 passed = sum(s.valid and s.reward >= c.pass_threshold for s in mine)
-                per_prompt.append(pass_at_k(c.n_samples, passed, k))
+                per_prompt.append(pass_at_k(n, passed, k))
             out[f"eval/pass@{k}"] = sum(per_prompt) / len(per_prompt)
         return out

@@ -25,9 +25,9 @@ def check_inputs(
         raise ConfigError(f"data.dataset: {exc}", ("data.dataset",)) from None
     try:
         if evaluation is not None:
-            load_prompts(evaluation.data())
+            load_prompts(evaluation.data)
     except (ValueError, OSError) as exc:
-        raise ConfigError(f"eval.dataset: {exc}", ("eval.dataset",)) from None
+        raise ConfigError(f"eval.data.dataset: {exc}", ("eval.data.dataset",)) from None
     for number, source in enumerate(reward.sources):
         if source.function is None:
             continue

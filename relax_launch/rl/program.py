@@ -1,5 +1,5 @@
-"""The RL program rank 0 runs on a live job (what ``relax_launch/launch.py`` starts): bring up,
-resume from a checkpoint, then the RL loop."""
+"""The RL program rank 0 runs on a live job (what ``relax_launch/launch.py`` starts): resume from
+a checkpoint, bring the job up, choose the schedule once, then the RL steps."""
 
 from __future__ import annotations
 
@@ -8,22 +8,27 @@ import functools
 from typing import Any
 
 from relax_launch.config.job import JobConfig
+from relax_launch.console import operator_log
 from relax_launch.models.build import ensure_model
-from relax_launch.rl import rollout
+from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.async_rollout import ContinuousRollout
-from relax_launch.rl.colocated import colocated_step
+from relax_launch.rl.checkpoints import Checkpoints
+from relax_launch.rl.colocated import Colocated
+from relax_launch.rl.context import PromptFeed, RLContext
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.evaluation import Evaluation
-from relax_launch.rl.loop import RLContext, next_prompts, rl_step
+from relax_launch.rl.interfaces import Job
+from relax_launch.rl.phases import (
+    collect_once,
+    collect_until_signal,
+    score_rewards,
+    teacher_then_rewards,
+)
 from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.runner import run
-from relax_launch.runtime.checkpoint import Checkpoints
-from relax_launch.runtime.colocation import build_coordinator
-from relax_launch.runtime.console import operator_log
-from relax_launch.runtime.session import Session, bring_up
-from relax_launch.runtime.startup import write_report
+from relax_launch.rl.schedules import FullyAsync, OffPolicy, Schedule, Synchronous
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
@@ -33,91 +38,92 @@ def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
     then run the RL steps up to ``algorithm.num_steps`` on the prompts ``data`` (read and
     checked by ``rl.inputs.check_inputs``)."""
 
-    def program(session: Session) -> list[dict[str, float]]:
+    def program(session: Job) -> list[dict[str, float]]:
         log_dir = job.log_dir
-        prompts = PromptStream(data, shuffle=job.data.shuffle, seed=job.data.seed)
+        stream = PromptStream(data, shuffle=job.data.shuffle, seed=job.data.seed)
         checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last)
-        start, skipped = resume(session, checkpoints, prompts) if job.checkpoint.resume else (0, 0)
+        start, skipped = resume(session, checkpoints, stream) if job.checkpoint.resume else (0, 0)
         # metric sinks before the engines' first sync: a W&B login problem fails fast
         sinks = metric_sinks(job.logging, log_dir, start, job.name, job.model_dump(mode="json"))
         log = MetricsLog(log_dir, resume_step=start, sinks=sinks)
         with contextlib.closing(log):  # on success run() has closed it already
-            up = bring_up(session, weight_version=start)
-            write_report(up["startup"], log_dir)
-            context = rl_context(job, session, prompts, log, checkpoints, skipped)
-            if job.algorithm.max_staleness:
-                context.continuous = continuous_rollout(job, session, context, start)
-            step_fn = rl_step
-            if session.plan.mode != "decoupled":  # roles take turns on shared ranks
-                context.coordinator = build_coordinator(
-                    session, job.placement.operation_timeout_s, log_dir / "coordinator.jsonl"
-                )
-                step_fn = colocated_step
-            try:
-                return run(context, job.algorithm.num_steps, log_dir, start, step_fn)
-            finally:
-                if context.coordinator is not None:
-                    context.coordinator.close()
+            session.bring_up(start, log_dir)
+            ctx = rl_context(job, session, stream, log, checkpoints, skipped)
+            schedule, between_steps = choose_schedule(job, ctx, start)
+            return run(ctx, schedule, job.algorithm.num_steps, log_dir, start, between_steps)
 
     return program
 
 
 def rl_context(
     job: JobConfig,
-    session: Session,
-    prompts: PromptStream,
+    session: Job,
+    stream: PromptStream,
     log: MetricsLog,
     checkpoints: Checkpoints,
     skipped: int,
 ) -> RLContext:
-    """What every RL step needs, from the job's sections and the live session."""
+    """What every RL step needs, from the job's sections and the live job; which variant of
+    each phase runs is chosen here."""
     from transformers import AutoTokenizer  # rank 0 only: prompts get the chat template
 
-    engines = session.control_plane.engines  # the controller's in-process engine clients
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model())))
     judge = None
     if job.genrm is not None:
-        judge = functools.partial(rollout.judge, engines, max_tokens=JUDGE_MAX_TOKENS)
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model())))
+        judge = functools.partial(rollout.judge, session.engines, max_tokens=JUDGE_MAX_TOKENS)
+    generator = rollout.generate
+    if job.rollout.function:  # conversations of several turns (rl/agent.py)
+        function = load_rollout_function(job.rollout.function)
+        generator = functools.partial(agent.generate, function=function, tokenizer=tokenizer)
     evaluation = None
     if job.eval is not None:
         evaluation = Evaluation(job.eval, tokenizer, job.data.max_prompt_tokens)
     return RLContext(
-        session=session,
+        job=session,
         algorithm=job.algorithm,
         data=job.data,
-        prompts=prompts,
+        feed=PromptFeed(stream, tokenizer, job.data, skipped),
         tokenizer=tokenizer,
         rewards=Rewards(job.reward, judge=judge),
         log=log,
-        has_teacher=job.teacher is not None,
-        engines=engines,
-        skipped_prompts=skipped,
         checkpoints=checkpoints,
         checkpoint_every=job.checkpoint.every_steps if job.checkpoint.dir is not None else None,
+        generator=generator,
+        score=teacher_then_rewards if job.teacher is not None else score_rewards,
+        collect=collect_until_signal if job.algorithm.dynamic_sampling else collect_once,
         correction=job.rollout_correction(),
         evaluation=evaluation,
-        agent=load_rollout_function(job.rollout.function) if job.rollout.function else None,
     )
 
 
-def continuous_rollout(
-    job: JobConfig, session: Session, context: RLContext, version: int
-) -> ContinuousRollout:
+def choose_schedule(
+    job: JobConfig, ctx: RLContext, start: int
+) -> tuple[Schedule, Evaluation | None]:
+    """The job's one schedule (``rl/schedules.py``, ``rl/colocated.py``), and the evaluation
+    the run makes between steps (a colocated step evaluates in turns of its own)."""
+    a = job.algorithm
+    if job.placement.mode != "decoupled":  # roles take turns on shared ranks
+        log_path = job.log_dir / "coordinator.jsonl"
+        coordinator = ctx.job.coordinator(job.placement.operation_timeout_s, log_path)
+        return Colocated(ctx, coordinator, a.num_steps), None
+    if a.max_staleness:
+        return FullyAsync(ctx, continuous_rollout(job, ctx, start)), ctx.evaluation
+    if a.off_policy_steps:
+        return OffPolicy(ctx, a.num_steps), ctx.evaluation
+    return Synchronous(ctx), ctx.evaluation
+
+
+def continuous_rollout(job: JobConfig, ctx: RLContext, version: int) -> ContinuousRollout:
     """The fully asynchronous producer: draws the loop's prompts, aborts on the rollout
     engines what is in flight when weights are to be synced."""
-    engines = session.control_plane.managers["rollout"].engines
-
-    def abort() -> None:
-        for engine in engines:
-            engine.call("abort_request", {"abort_all": True})
-
     a = job.algorithm
+    function = load_rollout_function(job.rollout.function) if job.rollout.function else None
     return ContinuousRollout(
-        context.engines,
-        functools.partial(next_prompts, context),
-        abort,
-        context.tokenizer,
-        agent=context.agent,
+        ctx.job.engines,
+        ctx.feed.draw,
+        ctx.job.abort_rollout,
+        ctx.tokenizer,
+        agent=function,
         n=a.n_samples_per_prompt,
         max_staleness=a.max_staleness,
         sampling={"temperature": a.temperature},
@@ -126,7 +132,7 @@ def continuous_rollout(
     )
 
 
-def resume(session: Session, checkpoints: Checkpoints, prompts: PromptStream) -> tuple[int, int]:
+def resume(session: Job, checkpoints: Checkpoints, stream: PromptStream) -> tuple[int, int]:
     """Load the newest complete checkpoint into the trainer and the prompt stream; returns the
     step to continue from and the skipped-prompt count (0, 0 when there is none yet)."""
     found = checkpoints.newest()
@@ -138,7 +144,7 @@ def resume(session: Session, checkpoints: Checkpoints, prompts: PromptStream) ->
     step, directory = found
     state = Checkpoints.controller_state(directory)
     optimizer_steps = session.load_trainer(str(directory))
-    prompts.restore(PromptCursor(**state["prompts"]))
+    stream.restore(PromptCursor(**state["prompts"]))
     operator_log().info(
         f"relax-launch: resuming from {directory}: step {step}, trainer at optimizer step "
         f"{optimizer_steps}, prompt {state['prompts']['seen']}"

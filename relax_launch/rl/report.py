@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from relax_launch.runtime.config import LoggingConfig, WandbConfig
+from relax_launch.rl.config import LoggingConfig, WandbConfig
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -1,19 +1,25 @@
 """The run around the RL steps on rank 0: a progress line per step, checkpoints when due,
 evaluations, metrics to JSONL, a plot and a summary at the end; and a stop, which abandons the
-step in flight at its next safe point (``runtime/stop.py``) and saves the last finished one."""
+step in flight at its next safe point and saves the last finished one.
+
+The schedule (``rl/schedules.py``, ``rl/colocated.py``) is chosen once, by the program; the run
+only calls its ``step``.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from relax_launch.console import operator_log
 from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_job
-from relax_launch.rl.loop import RLContext, rl_step, timed
+from relax_launch.rl.context import RLContext, StepResult
+from relax_launch.rl.data import PromptCursor
+from relax_launch.rl.evaluation import Evaluation
+from relax_launch.rl.interfaces import StepAbandoned
+from relax_launch.rl.phases import timed
 from relax_launch.rl.report import StepProgress
-from relax_launch.runtime.console import operator_log
-from relax_launch.runtime.stop import StepAbandoned
+from relax_launch.rl.schedules import Schedule
 
 STOP_NOTICE_S = 3.0  # a step that fails waits this long for a stop request that explains it
 clock = time.perf_counter  # the step clock (a test steps it by hand)
@@ -21,41 +27,36 @@ clock = time.perf_counter  # the step clock (a test steps it by hand)
 
 def run(
     ctx: RLContext,
+    schedule: Schedule,
     num_steps: int,
     log_dir: Path,
     start_step: int = 0,
-    step_fn: Callable[[RLContext, int, int], dict[str, float]] = rl_step,
+    evaluation: Evaluation | None = None,
 ) -> list[dict[str, float]]:
     """Steps ``start_step`` to ``num_steps`` with a progress line each, checkpoints when due;
-    metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end.
+    metrics to JSONL, a plot and a summary (of the whole run, resumed or not) at the end;
+    ``evaluation``, when given, runs between steps when due (a colocated schedule evaluates in
+    turns of its own instead).
 
-    Asked to stop (``Session.stop``), it abandons the step in flight at its next safe point (its
+    Asked to stop (``ctx.job.stop``), it abandons the step in flight at its next safe point (its
     engine requests are cancelled at once), saves the last finished step and raises
-    ``JobStopped`` (``runtime/stop.py`` says what is abandoned and what finishes).
+    ``JobStopped``: what is abandoned and what finishes is ``runtime/stop.py``'s docstring.
 
     Step k's wall time runs from the end of step k-1's to its own end, so the steps tile the
     loop: logging and printing step k-1 is part of step k's ``time/other``.
     """
     history = list(ctx.log.history)
-    stop = ctx.session.stop
+    stop = ctx.job.stop
     stop.listeners.append(announce_stop)
-    stop.listeners.append(ctx.engines.cancel_all)  # a stop drops every generation in flight
-    if ctx.algorithm.off_policy_steps:
-        ctx.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-rollout")
-    if ctx.continuous is not None:
-        stop.listeners.append(lambda why: ctx.continuous.close())
-        ctx.continuous.start()
+    stop.listeners.append(ctx.job.engines.cancel_all)  # a stop drops every generation in flight
     stop.stepping = True  # from now on a stop saves what the steps did
     try:
-        stopped, done = run_steps(ctx, num_steps, start_step, step_fn, history)
+        stopped, done, cursor = run_steps(ctx, schedule, num_steps, start_step, history, evaluation)
     finally:
-        if ctx.background is not None:  # on an error, do not wait for a rollout nobody needs
-            ctx.background.shutdown(wait=False, cancel_futures=True)
-        if ctx.continuous is not None:
-            ctx.continuous.close()
+        schedule.close()
     operator_log().info(ctx.log.finish(history, log_dir))
     if stopped is not None:
-        stop_job(ctx, stopped, done, num_steps, log_dir)
+        stop_job(ctx, stopped, done, num_steps, cursor)
     return history
 
 
@@ -69,59 +70,72 @@ def announce_stop(reason: str) -> None:
 def stop_or_failure(ctx: RLContext, cause: BaseException | None = None) -> None:
     """A stop request that came with a failure (torchrun stops every rank when one dies) is the
     failure's consequence: raise the failure."""
-    if failure := ctx.session.stop.failed():
+    if failure := ctx.job.stop.failed():
         raise RuntimeError(f"the job failed: {failure}") from cause
 
 
 def run_steps(
     ctx: RLContext,
+    schedule: Schedule,
     num_steps: int,
     start_step: int,
-    step_fn: Callable[[RLContext, int, int], dict[str, float]],
     history: list[dict[str, float]],
-) -> tuple[str | None, int]:
-    """The steps; returns why they stopped early (None: they all ran) and the steps done."""
-    progress = StepProgress(ctx.session.console, num_steps, start_step)
-    stop = ctx.session.stop
+    evaluation: Evaluation | None,
+) -> tuple[str | None, int, PromptCursor]:
+    """The steps; returns why they stopped early (None: they all ran), the steps done and the
+    prompt position after the last trained batch."""
+    progress = StepProgress(ctx.job.console, num_steps, start_step)
+    cursor = ctx.feed.position()  # where a resumed run's first batch starts
     with progress:
         began = clock()
         for step in range(start_step, num_steps):
-            if stopped := ctx.session.stop_requested():
+            if stopped := ctx.job.stop.requested():
                 stop_or_failure(ctx)
-                return stopped, step
+                return stopped, step, cursor
             try:
-                metrics = step_fn(ctx, step, num_steps)
+                result = schedule.step(step)
             except StepAbandoned as abandoned:
                 stop_or_failure(ctx, abandoned)
                 operator_log().warning(f"relax-launch: step {step + 1} abandoned for the stop")
-                return abandoned.reason, step
+                return abandoned.reason, step, cursor
             except Exception as exc:
-                if not (stopped := ctx.session.stop_requested(wait_s=STOP_NOTICE_S)):
+                if not (stopped := ctx.job.stop.requested(wait_s=STOP_NOTICE_S)):
                     raise
                 stop_or_failure(ctx, exc)
                 operator_log().warning(
                     f"relax-launch: step {step + 1} dropped ({type(exc).__name__}) by the stop"
                 )
-                return stopped, step
-            if checkpoint_due(ctx, step + 1, num_steps):
-                with timed(ctx.seconds, "checkpoint"):
-                    save_checkpoint(ctx, step + 1)
-            evaluating = ctx.evaluation is not None and ctx.coordinator is None  # split/defer:
-            if evaluating and ctx.evaluation.due(step + 1, num_steps):  # in their own turns
-                try:
-                    with timed(ctx.seconds, "eval"), stop.abandonable():  # this step's weights
-                        metrics |= ctx.evaluation.run(
-                            ctx.engines, ctx.rewards, ctx.data.max_response_tokens
-                        )
-                except StepAbandoned:  # the step is done, its evaluation is not
-                    pass
+                return stopped, step, cursor
+            cursor = result.cursor
+            record(ctx, result, step, num_steps, evaluation)
             ended = clock()
-            metrics |= step_times(ctx.seconds, ended - began)
+            result.metrics |= step_times(result.seconds, ended - began)
             began = ended
-            history.append(metrics)
-            ctx.log.write(metrics)
-            progress.step(metrics)
-    return None, num_steps
+            history.append(result.metrics)
+            ctx.log.write(result.metrics)
+            progress.step(result.metrics)
+    return None, num_steps, cursor
+
+
+def record(
+    ctx: RLContext,
+    result: StepResult,
+    step: int,
+    num_steps: int,
+    evaluation: Evaluation | None,
+) -> None:
+    """What follows a step: its checkpoint when due, then its evaluation (between steps)."""
+    if checkpoint_due(ctx, step + 1, num_steps):
+        with timed(result.seconds, "checkpoint"):
+            save_checkpoint(ctx, step + 1, result.cursor)
+    if evaluation is not None and evaluation.due(step + 1, num_steps):
+        try:
+            with timed(result.seconds, "eval"), ctx.job.stop.abandonable():
+                result.metrics |= evaluation.run(  # the weights this step synced
+                    ctx.job.engines, ctx.rewards, ctx.data.max_response_tokens
+                )
+        except StepAbandoned:  # the step is done, its evaluation is not
+            pass
 
 
 def step_times(main_thread: dict[str, float], wall_s: float) -> dict[str, float]:

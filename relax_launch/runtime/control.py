@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import torch.distributed as dist
 
+from relax_launch.deadline import Deadline
+
 POLL_S = (0.001, 0.02)  # a waiting rank polls the store this often: first, and at the slowest
 
 
@@ -150,10 +152,10 @@ class ControlChannel:
 
     def _take_replies(self, posted: Posted, ranks: list[int], timeout_s: float) -> dict[int, Reply]:
         keys = {r: reply_key(posted.n, r) for r in ranks}
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(timeout_s)
         pause = POLL_S[0]
         while ranks and not self.store.check(list(keys.values())):
-            if time.monotonic() > deadline:
+            if deadline.passed:
                 late = [r for r in ranks if not self.store.check([keys[r]])]
                 raise ControlTimeout(
                     f"command #{posted.n} {posted.command.op!r}: no reply within "

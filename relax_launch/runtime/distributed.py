@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from relax_launch import platform
+from relax_launch.deadline import wait_until
 from relax_launch.placement.plan import PlacementPlan, TrainerLayout
 from relax_launch.trainer.batch import ShardShape, TokenBatch
 
@@ -93,12 +93,9 @@ def check_shared_directory(
 
 
 def _wait(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [k for k in keys if not store.check([k])]
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}: {missing}")
-        time.sleep(0.01)
+    if not wait_until(lambda: store.check(keys), timeout_s, interval_s=0.01):
+        missing = [k for k in keys if not store.check([k])]
+        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}: {missing}")
 
 
 @dataclass

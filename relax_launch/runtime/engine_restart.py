@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from relax_launch.weights.engine_client import EngineRequestError, get_json
+from relax_launch.inference.engine import EngineRequestError, get_json
 
 MAX_RESTARTS = 3  # per engine and job: a server that keeps dying has a cause restarts won't fix
 

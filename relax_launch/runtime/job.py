@@ -17,11 +17,13 @@ import torch.distributed as dist
 
 from relax_launch import platform
 from relax_launch.config.job import JobConfig
+from relax_launch.console import operator_log
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
-from relax_launch.runtime.checkpoint import Checkpoints
-from relax_launch.runtime.console import operator_log, route_rank_output
+from relax_launch.rl.checkpoints import Checkpoints
+from relax_launch.rl.interfaces import JobStopped
+from relax_launch.run_dir import LAUNCHER_ENV, resume_command, write_end_record
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.runtime.distributed import (
     ShardChannel,
@@ -33,15 +35,10 @@ from relax_launch.runtime.engine_restart import EngineRestarts
 from relax_launch.runtime.engines import cpu_threads, join_spanning_engines, launch_engines
 from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.network import configure_network, node_address
+from relax_launch.runtime.rank_output import route_rank_output
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.startup import StartupClock, StartupMarks
-from relax_launch.runtime.stop import (
-    LAUNCHER_ENV,
-    JobStopped,
-    StopRequest,
-    resume_command,
-    write_end_record,
-)
+from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
 from relax_launch.runtime.workers import TrainerWorker
 
@@ -246,8 +243,9 @@ def run_controller(
     )
     try:
         result = program(session)
-    except JobStopped:
+    except JobStopped as stopped:
         shut_down(session, watchdog)
+        end_stopped_after_steps(job, stopped)
         raise
     except BaseException:
         # A failure may be a dead node's first sign (its engines stop answering): shut down in
@@ -259,6 +257,24 @@ def run_controller(
     shut_down(session, watchdog)
     write_end_record(job.log_dir, "completed", "every step ran")
     return result
+
+
+def end_stopped_after_steps(job: JobConfig, stopped: JobStopped) -> None:
+    """Rank 0, the program stopped on request: the end record and the operator's last line,
+    with the command that resumes from the checkpoint it left."""
+    resume = resume_command() if stopped.checkpoint else None
+    write_end_record(
+        job.log_dir, "stopped", stopped.reason, step=stopped.step,
+        checkpoint=stopped.checkpoint, resume=resume,
+    )  # fmt: skip
+    if stopped.checkpoint:
+        where = f"checkpoint {stopped.checkpoint}; resume with: {resume}"
+    else:
+        where = "no step finished, nothing to resume: run it again"
+    operator_log().warning(
+        f"relax-launch: stopped by {stopped.reason} after step {stopped.step} of "
+        f"{stopped.total}; {where}"
+    )
 
 
 def shut_down(session: Session, watchdog: JobWatchdog) -> None:

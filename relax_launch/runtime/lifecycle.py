@@ -32,6 +32,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from relax_launch.deadline import Deadline
+from relax_launch.rl.interfaces import TurnRefused
+
 # What one onload/offload returns: e.g. {"bytes": moved}; None counts as nothing reported.
 Operation = Callable[[tuple[str, ...]], "dict[str, float] | None"]
 TRAINER = "trainer"
@@ -46,7 +49,7 @@ class Lease(StrEnum):
     BLOCKED = "blocked"  # an operation's outcome is unknown: keeps its ranks until cleaned up
 
 
-class LeaseError(RuntimeError):
+class LeaseError(TurnRefused):
     """A grant, commit or registration was refused; nothing changed."""
 
 
@@ -83,6 +86,7 @@ class OperationRecord:
     future: Future
     changes: tuple[str, ...]  # the parts it onloads, or offloads
     began: float
+    deadline: Deadline  # of the answer: operation_timeout_s from the start
     outcome: dict[str, float] | LeaseError | None = None  # decided once
 
 
@@ -136,6 +140,16 @@ class LifecycleCoordinator:
                 role, ranks, parts, onload, offload, inference, held,
                 Lease.ACTIVE if held else Lease.SLEEPING,
             )  # fmt: skip
+
+    def holding(self) -> list[str]:
+        """The inference roles that hold memory on their ranks (or may: not asleep), in the
+        order they registered."""
+        with self._changed:
+            return [
+                m.role
+                for m in self.members.values()
+                if m.inference and (m.resident or m.lease is not Lease.SLEEPING)
+            ]
 
     def state(self) -> dict[str, dict[str, Any]]:
         """Each role's lease, resident parts and ranks (``GET /{role}/admin/engines``)."""
@@ -200,8 +214,10 @@ class LifecycleCoordinator:
                 todo = tuple(p for p in wanted if p in member.resident)
             member.lease, call, changes = Lease.DRAINING, member.offload, todo
         self._log("grant" if action == "activate" else "release", member, todo)
-        future = self._pool.submit(call, todo) if todo else _done({})
-        return OperationRecord(fingerprint, future, changes, time.monotonic())
+        future = self._pool.submit(call, todo) if todo else self._pool.submit(dict)  # {}
+        return OperationRecord(
+            fingerprint, future, changes, time.monotonic(), Deadline(self.operation_timeout_s)
+        )
 
     def _settle(self, action: str, member: Member, record: OperationRecord) -> dict[str, float]:
         """Wait for the operation; the first waiter to finish decides its outcome, once: a late
@@ -217,9 +233,8 @@ class LifecycleCoordinator:
 
     def _wait(self, record: OperationRecord) -> tuple[dict[str, float], str]:
         """The operation's result, or why there is none, within the timeout from its start."""
-        left = self.operation_timeout_s - (time.monotonic() - record.began)
         try:
-            return record.future.result(timeout=max(left, 0.0)) or {}, ""
+            return record.future.result(timeout=record.deadline.left()) or {}, ""
         except FutureTimeout:
             return {}, f"no answer within {self.operation_timeout_s:.0f} s"
         except Exception as exc:  # noqa: BLE001 - any failure leaves the outcome unknown
@@ -322,7 +337,7 @@ class LifecycleCoordinator:
     def wait_committed(self, batch: int, timeout_s: float) -> None:
         """Block until ``batch`` commits; ``BatchFailed`` if it failed. A timeout changes
         nothing (the batch and the leases are as they were)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(timeout_s)
         with self._changed:
             while True:
                 record = self.batches.get(batch)
@@ -332,10 +347,9 @@ class LifecycleCoordinator:
                     return
                 if record.state == "failed":
                     raise BatchFailed(f"batch {batch} failed: {record.error}")
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline.passed:
                     raise TimeoutError(f"batch {batch} was not committed within {timeout_s} s")
-                self._changed.wait(left)
+                self._changed.wait(deadline.left())
 
     def _finish(self, batch: int, state: str, error: str) -> None:
         self.batches[batch].state, self.batches[batch].error = state, error
@@ -378,12 +392,6 @@ class LifecycleCoordinator:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
 
 
 def _trim(history: OrderedDict, bound: int) -> None:

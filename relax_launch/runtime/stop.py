@@ -16,49 +16,35 @@ the last finished step, stops every rank and exits with ``EXIT_STOPPED``. Before
 there is nothing to save: the job ends at once. A second SIGINT is the impatient operator's:
 that rank leaves at once.
 
-Rank 0 writes how the job ended, and why, into ``{run dir}/end.json`` (``write_end_record``).
+Rank 0 writes how the job ended, and why, into the run directory's end record
+(``run_dir.write_end_record``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import shlex
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relax_launch.deadline import Deadline
+from relax_launch.rl.interfaces import StepAbandoned
+from relax_launch.run_dir import END_RECORD, JOB_STARTED_ENV, STOP_FILE
+
 if TYPE_CHECKING:  # the launcher reads end records without importing torch
     import torch.distributed as dist
 
-RESUME_KEY = "checkpoint.resume="
-STOP_FILE = "STOP"
 STOP_KEY = "stop"
-JOB_STARTED_ENV = "RELAX_JOB_STARTED"  # a STOP file older than this is a previous run's
-LAUNCHER_ENV = "RELAX_LAUNCHER"  # set by `relax-launch run`: it prints how the job ended
 FAILURE_NOTICE_S = 2.0  # > the watchdog's tick: time for a neighbour's death to be recorded
-EXIT_STOPPED = 75  # EX_TEMPFAIL: the job stopped before its last step and can be resumed
-EXIT_ABORTED = 3  # a rank its watchdog ended (the cause is in the job's abort record)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The watchdog thread's nudge to rank 0's main thread: a request came through the store.
 NUDGE = signal.SIGUSR2
 log = logging.getLogger(__name__)
-
-
-class StepAbandoned(BaseException):  # noqa: N818 - not an error: the step was dropped on request
-    """Raised in rank 0's main thread, inside an abandonable wait, once the job is asked to
-    stop: nothing of the step in flight is trained. A ``BaseException``, like
-    ``KeyboardInterrupt``: a reward function's ``except Exception`` must not swallow it."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"abandoned for a stop ({reason})")
-        self.reason = reason
 
 
 def signal_name(signum: int) -> str:
@@ -171,43 +157,9 @@ class StopRequest:
     def requested(self, wait_s: float = 0.0) -> str | None:
         """Rank 0: why the job should stop, if it should; waits up to ``wait_s`` for a request
         still on its way (a failed step may be the first sign of one)."""
-        deadline = time.monotonic() + wait_s
+        deadline = Deadline(wait_s)
         while True:
             reason = self.local or self.job
-            if reason is not None or time.monotonic() >= deadline:
+            if reason is not None or deadline.passed:
                 return reason
-            self._changed.wait(min(0.1, max(deadline - time.monotonic(), 0.0)))
-
-
-class JobStopped(Exception):  # noqa: N818 - not an error: the job stopped on request
-    """Raised out of the program once rank 0 has stopped the job on request."""
-
-    def __init__(self, reason: str, step: int) -> None:
-        super().__init__(f"stopped by {reason} after step {step}")
-        self.reason, self.step = reason, step
-
-
-END_RECORD = "end.json"
-
-
-def resume_command(argv: list[str] | None = None) -> str:
-    """The command that continues this run (from rank 0's ``CONFIG [key=value ...]``)."""
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith(RESUME_KEY)]
-    return " ".join(["relax-launch", "run", *map(shlex.quote, args), "--resume"])
-
-
-def write_end_record(run_dir: Path, state: str, reason: str, **details: Any) -> None:
-    """Rank 0: how the job ended ("completed", "stopped" or "failed") and why, for the launcher
-    and ``relax-launch status``."""
-    record = {"state": state, "reason": reason, **details, "time": time.time()}
-    partial = run_dir / (END_RECORD + ".partial")
-    partial.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(partial, run_dir / END_RECORD)
-
-
-def read_end_record(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / END_RECORD
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+            self._changed.wait(min(0.1, deadline.left()))

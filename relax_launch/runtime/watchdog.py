@@ -28,13 +28,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import torch.distributed as dist
 
+from relax_launch.deadline import Deadline
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
+from relax_launch.processes import running
+from relax_launch.run_dir import EXIT_ABORTED, EXIT_STOPPED
 from relax_launch.runtime.engine_restart import EngineRestarts
-from relax_launch.runtime.stop import EXIT_ABORTED, EXIT_STOPPED, StopRequest
+from relax_launch.runtime.stop import StopRequest
 
 ABORT_KEY = "abort"
 SHUTDOWN_KEY = "shutdown"
@@ -134,14 +136,14 @@ class JobWatchdog:
 
     def recorded_abort(self, wait_s: float = 0.0) -> str | None:
         """The abort record, waiting up to ``wait_s`` for another rank to write it."""
-        deadline = time.monotonic() + wait_s
+        deadline = Deadline(wait_s)
         while True:
             try:
                 if self.store.check([ABORT_KEY]):
                     return self.store.get(ABORT_KEY).decode()
             except Exception:  # noqa: BLE001 - no store, no record
                 return None
-            if time.monotonic() >= deadline:
+            if deadline.passed:
                 return None
             time.sleep(0.1)
 
@@ -192,7 +194,7 @@ class JobWatchdog:
     def _dead_neighbour(self) -> str | None:
         """Another rank of this node, or a server this rank started, that is gone."""
         for r, pid in self.siblings.items():
-            if not _running(pid):
+            if not running(pid):
                 return f"{describe_rank(self.plan, r)} died (process {pid})"
         for what, process, restarts in self.engines:
             if restarts is not None and restarts.failure:
@@ -225,8 +227,8 @@ class JobWatchdog:
         ``liveness_timeout_s``: a rank silent that long is reported as dead meanwhile."""
         since = time.monotonic()
         others = [r.rank for r in self.plan.ranks if r.rank != self.rank]
-        deadline = since + self.liveness_timeout_s + 3 * self.interval_s
-        while time.monotonic() < deadline and self._thread.is_alive():
+        deadline = Deadline(self.liveness_timeout_s + 3 * self.interval_s)
+        while not deadline.passed and self._thread.is_alive():
             if self.recorded_abort() is not None:
                 return False
             if all(self._seen.get(r, (0, 0.0))[1] > since for r in others):
@@ -298,11 +300,3 @@ def store_lost(plan: PlacementPlan, rank: int, exc: BaseException, how_long: str
         f"{' ' + how_long if how_long else ''} ({type(exc).__name__}: {exc}): "
         "node 0 or its torchrun agent died"
     )
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, not yet reaped by torchrun, has died)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -36,10 +36,11 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
+from relax_launch import platform
+from relax_launch.deadline import Deadline
 from relax_launch.weights.receiver import IN_PLACE, RECEIVER_REPORT
 from relax_launch.weights.sync import TensorSpec, WeightSender, check_receivers
 from relax_launch.weights.update_session import (
-    Deadline,
     EngineTarget,
     WeightSyncError,
     await_all,
@@ -121,8 +122,7 @@ class BucketSender(WeightSender):
         self.buckets: list[torch.Tensor] = []
         self.files: list[tuple[str, int] | None] = []  # CPU: each bucket's (path, size)
         self.named: set[str] = set()  # files whose names are still in /dev/shm
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = platform.current_device()
         check_receivers(self.control, self.targets, timeout_s)
 
     def _deliver(
@@ -162,8 +162,7 @@ class BucketSender(WeightSender):
                 )
                 copy_s += time.monotonic() - began
                 layout.append((spec.name, spec.dtype, list(spec.shape), offset))
-            if bucket.is_cuda:
-                torch.cuda.current_stream(bucket.device).synchronize()  # filled before it is read
+            platform.synchronize(bucket.device)  # filled before the engines read it
             last = number == len(plan) - 1
             loading[slot] = self._load(slot, layout, weight_version if last else None, deadline)
         for slot in (len(plan) % 2, (len(plan) - 1) % 2):  # the last bucket last

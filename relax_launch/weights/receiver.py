@@ -38,7 +38,6 @@ import math
 from typing import Any
 
 IN_PLACE = "relax_in_place"
-RECEIVER_PLUGIN = "relax_launch_weights"  # its entry point's name (setup.py)
 RECEIVER_REPORT = "relax-launch receiver: "  # then the report, as JSON, in the reply's message
 PACK_BELOW = 1 << 16  # bytes: smaller tensors share one broadcast
 ABORT_KEY = "relax_launch/abort"  # set in a broadcast group's store when its sender gives up
@@ -167,8 +166,9 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
     report.count(len(entries), staged, len(entries) - len(staged))
     if staged:
         updater.get_model().load_weights(staged)
-    if bucket.is_cuda:  # the trainer reuses the bucket once this answer reaches it
-        torch.cuda.current_stream(bucket.device).synchronize()
+    from relax_launch import platform
+
+    platform.synchronize(bucket.device)  # the trainer reuses the bucket once we answer
     return True, state.finish("Success")
 
 

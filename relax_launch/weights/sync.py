@@ -36,24 +36,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relax_launch.weights.engine_client import (
+from relax_launch.deadline import Deadline
+from relax_launch.inference.engine import (
     EngineControl,
     EngineRequestError,
 )
+from relax_launch.inference.server import RECEIVER_PLUGIN
 from relax_launch.weights.receiver import (
     ABORT_KEY,
     IN_PLACE,
-    RECEIVER_PLUGIN,
     RECEIVER_PROBE,
     RECEIVER_REPORT,
     broadcast_plan,
     nbytes,
 )
 from relax_launch.weights.update_session import (
-    Deadline,
     EngineTarget,
     WeightSyncError,
     await_all,
+    sync_deadline,
 )
 
 IN_FLIGHT = 4  # broadcasts queued ahead of the one being waited on
@@ -177,7 +178,7 @@ class WeightSender:
     def connect(self, timeout_s: float) -> None:
         """Form the broadcast group with every engine worker (the engines join over HTTP), once
         each engine has said its receiver is loaded."""
-        deadline = Deadline(timeout_s)
+        deadline = sync_deadline(timeout_s)
         check_receivers(self.control, self.targets, deadline.left("asking for the receivers"))
         body = {
             "master_address": self.host,
@@ -209,7 +210,7 @@ class WeightSender:
     ) -> SyncReport:
         """Stream every tensor of this stage into the open update session as
         ``weight_version``; ``named`` must yield exactly ``manifest``."""
-        start, deadline = time.monotonic(), Deadline(timeout_s)
+        start, deadline = time.monotonic(), sync_deadline(timeout_s)
         tensors = iter(named)
         try:
             calls, export_s, transfer_s = self._deliver(tensors, manifest, weight_version, deadline)

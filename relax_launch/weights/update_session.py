@@ -9,15 +9,15 @@ rank 0 drives it without importing torch.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from relax_launch.weights.engine_client import EngineControl, EngineRequestError, result
+from relax_launch.deadline import Deadline
+from relax_launch.inference.engine import EngineControl, EngineRequestError, result
 
 
 class WeightSyncError(RuntimeError):
-    """A sync failed; the message says which engine and whether the rollback held."""
+    """A sync failed; the message says which engine and what it was doing."""
 
 
 @dataclass(frozen=True)
@@ -30,21 +30,17 @@ class EngineTarget:
     tp_size: int = 1
 
 
-class Deadline:
-    """The end of one whole sync; every call inside it waits at most what is left."""
+def sync_deadline(timeout_s: float) -> Deadline:
+    """The end of one whole sync; every call inside it waits at most what is left, and one
+    that would start after it raises ``WeightSyncError`` naming what it was about to do."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s, self.end = timeout_s, time.monotonic() + timeout_s
+    def expired(before: str) -> WeightSyncError:
+        return WeightSyncError(
+            f"weight sync passed its {timeout_s:.0f} s deadline (weight_sync.timeout_s) before "
+            f"{before}"
+        )
 
-    def left(self, what: str) -> float:
-        """Seconds left; raises WeightSyncError once the deadline has passed."""
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise WeightSyncError(
-                f"weight sync passed its {self.timeout_s:.0f} s deadline (weight_sync.timeout_s) "
-                f"before {what}"
-            )
-        return left
+    return Deadline(timeout_s, expired)
 
 
 class UpdateSession:

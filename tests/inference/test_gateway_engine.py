@@ -239,6 +239,6 @@ def test_router_route_mode_goes_through_sglang_router(tiny_server, tmp_path):
     finally:
         pid = router.pid
         router.stop()
-    from relax_launch.inference.process import group_alive
+    from relax_launch.processes import group_alive
 
     assert not group_alive(pid)

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from relax_launch.inference.client import InferenceClient, InferenceError
 from relax_launch.inference.config import GatewayConfig, RolloutConfig
 from relax_launch.inference.control_plane import ControlPlane, RoleSpec
+from relax_launch.inference.engine import post
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.inference.routing import ROUTING_KEY_HEADER
-from relax_launch.weights.engine_client import post
 
 pytestmark = pytest.mark.e2e
 MODEL = "builtin:tiny-llama"

@@ -10,9 +10,13 @@ import pytest
 
 from relax_launch.inference import engine as engine_module
 from relax_launch.inference.discovery import RoutingSpec, State, WeightSource
-from relax_launch.inference.engine import WEIGHT_MUTATIONS, EngineHandle, StaticModelError
+from relax_launch.inference.engine import (
+    WEIGHT_MUTATIONS,
+    EngineHandle,
+    EngineRequestError,
+    StaticModelError,
+)
 from relax_launch.inference.manager import InferenceManager, LifecycleError
-from relax_launch.weights.engine_client import EngineRequestError
 
 
 class ScriptedEngine(EngineHandle):

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import torch
 
-from relax_launch.inference.process import group_alive
 from relax_launch.inference.server import SGLangServer
 from relax_launch.platform.stand_ins import torch_memory_saver as stand_in
+from relax_launch.processes import group_alive
 
 pytestmark = pytest.mark.e2e
 

@@ -38,9 +38,9 @@ def test_decoupled_roles_take_contiguous_ranges_in_order():
         "decoupled",
         (2, 8),
         {
-            "rollout": {"ranks": 4, "ranks_per_engine": 2},
-            "genrm": {"ranks": 2, "ranks_per_engine": 2},
-            "teacher": {"ranks": 2, "ranks_per_engine": 2},
+            "rollout": {"ranks": 4, "tp_size": 2},
+            "genrm": {"ranks": 2, "tp_size": 2},
+            "teacher": {"ranks": 2, "tp_size": 2},
         },
         trainer={"ranks": 8, "tp_size": 4},
     )
@@ -78,9 +78,9 @@ def test_defer_roles_each_start_at_zero_in_their_own_phase():
         "defer",
         (1, 8),
         {
-            "rollout": {"ranks": 8, "ranks_per_engine": 2},
-            "teacher": {"ranks": 8, "ranks_per_engine": 4},
-            "genrm": {"ranks": 4, "ranks_per_engine": 4},
+            "rollout": {"ranks": 8, "tp_size": 2},
+            "teacher": {"ranks": 8, "tp_size": 4},
+            "genrm": {"ranks": 4, "tp_size": 4},
         },
     )
     p = plan(j)
@@ -113,8 +113,8 @@ def test_multinode_engine_uses_whole_nodes_and_one_head():
         "decoupled",
         (4, 8),
         {
-            "rollout": {"ranks": 8, "ranks_per_engine": 2},
-            "teacher": {"ranks": 16, "ranks_per_engine": 16, "tp_size": 8, "pp_size": 2},
+            "rollout": {"ranks": 8, "tp_size": 2},
+            "teacher": {"ranks": 16, "tp_size": 8, "pp_size": 2},
         },
         trainer={"ranks": 8, "tp_size": 4},
     )
@@ -131,7 +131,7 @@ def test_trainer_coordinates_are_tp_fastest_then_dp_then_pp():
         {
             "cluster": {"nnodes": 3, "nproc_per_node": 4},
             "trainer": {"model": "/m", "ranks": 8, "tp_size": 2, "pp_size": 2},
-            "rollout": {"ranks": 4, "ranks_per_engine": 2},
+            "rollout": {"ranks": 4, "tp_size": 2},
             "algorithm": {"n_samples_per_prompt": 2},
             "data": {"prompts_per_step": 1},
         }
@@ -183,9 +183,9 @@ def test_cli_world_overrides_the_config_cluster():
 @pytest.mark.parametrize("mode", ["decoupled", "split", "defer"])
 def test_plans_512_nodes_of_8_with_four_roles(mode):
     roles = {
-        "rollout": {"ranks": 1024, "ranks_per_engine": 8},
-        "genrm": {"ranks": 512, "ranks_per_engine": 8},
-        "teacher": {"ranks": 1024, "ranks_per_engine": 16},
+        "rollout": {"ranks": 1024, "tp_size": 8},
+        "genrm": {"ranks": 512, "tp_size": 8},
+        "teacher": {"ranks": 1024, "tp_size": 16},
     }
     trainer = (
         {"ranks": 4096 - 2560, "tp_size": 8, "pp_size": 3}

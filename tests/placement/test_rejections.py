@@ -42,8 +42,8 @@ def test_base_config_is_valid():
 
 CASES = {
     "unknown field suggests the name": (
-        ["rollout.ranks_per_engne=1"],
-        ["rollout.ranks_per_engne", "did you mean 'ranks_per_engine'"],
+        ["rollout.tp_sise=1"],
+        ["rollout.tp_sise", "did you mean 'tp_size'"],
     ),
     "unknown section": (["telemetry.on=true"], ["telemetry", "unknown field"]),
     "zero-rank role": (["rollout.ranks=0"], ["rollout.ranks", "at least 1"]),
@@ -60,25 +60,24 @@ CASES = {
         ["trainer.ranks=2 + rollout.ranks=3 = 5", "1 rank more"],
     ),
     "rank budget leaves ranks idle": (["rollout.ranks=1"], ["leaves 1 rank idle"]),
-    "engine TP x PP differs from its width": (
-        ["rollout.ranks_per_engine=2", "rollout.tp_size=1"],
-        ["rollout", "must equal ranks_per_engine=2"],
+    "an engine's width stated the old way": (
+        ["rollout.ranks_per_engine=2"],
+        ["rollout", "ranks_per_engine is not a field", "tp_size: 2"],
     ),
-    "engine PP does not divide its width": (["rollout.pp_size=2"], ["pp_size=2 does not divide"]),
     "pipeline-parallel rollout engines": (
-        ["rollout.ranks_per_engine=2", "rollout.pp_size=2", "rollout.ranks=2"],
+        ["rollout.pp_size=2", "rollout.ranks=2"],
         ["rollout.pp_size=2", "weight sync updates tensor-parallel rollout engines only"],
     ),
-    "ranks not divisible by ranks_per_engine": (
-        ["trainer.ranks=1", "rollout.ranks=3", "rollout.ranks_per_engine=2"],
-        ["rollout.ranks=3 is not a multiple of rollout.ranks_per_engine=2"],
+    "ranks not divisible by an engine's width": (
+        ["trainer.ranks=1", "rollout.ranks=3", "rollout.tp_size=2"],
+        ["rollout.ranks=3 is not a multiple of one engine's 2 ranks"],
     ),
     "engine crosses a node": (
         [
             *EIGHT,
             "trainer.ranks=3",
             "rollout.ranks=4",
-            "rollout.ranks_per_engine=2",
+            "rollout.tp_size=2",
             *TEACHER,
             "teacher.ranks=1",
             "algorithm.distill_coef=0.1",
@@ -87,14 +86,14 @@ CASES = {
         ["rollout engine 0 (ranks 3-4) would cross a node boundary"],
     ),
     "multi-node engine not whole nodes": (
-        [*EIGHT, "rollout.ranks=6", "rollout.ranks_per_engine=6"],
+        [*EIGHT, "rollout.ranks=6", "rollout.tp_size=6"],
         ["must use whole nodes"],
     ),
     "multi-node engine off a node boundary": (
         [
             "cluster.nnodes=3",
             "rollout.ranks=8",
-            "rollout.ranks_per_engine=8",
+            "rollout.tp_size=8",
             *TEACHER,
             "teacher.ranks=2",
             "algorithm.distill_coef=0.1",
@@ -162,7 +161,7 @@ CASES = {
     ),
     "distillation without a teacher": (["algorithm.distill_coef=0.5"], ["needs a teacher"]),
     "fault tolerance with one rollout engine": (
-        ["rollout.fault_tolerance=true", "rollout.ranks_per_engine=2"],
+        ["rollout.fault_tolerance=true", "rollout.tp_size=2"],
         ["rollout.fault_tolerance needs two or more rollout engines (rollout.ranks=2 makes one)"],
     ),
     "fault tolerance behind sglang-router": (
@@ -196,7 +195,7 @@ CASES = {
         ["trainer.tp_size=2 must divide the model's 9 attention heads", "e.g. 1"],
     ),
     "engine TP not dividing the model's heads": (
-        ["trainer.model=builtin:smollm2-135m-instruct", "rollout.ranks_per_engine=2"],
+        ["trainer.model=builtin:smollm2-135m-instruct", "rollout.tp_size=2"],
         ["rollout engine tp_size=2 must divide the model's 9 attention heads"],
     ),
     "trainer PP not dividing layers": (
@@ -333,7 +332,6 @@ SPANNING = {
     "trainer": {"model": "builtin:tiny-llama", "ranks": 1},
     "rollout": {
         "ranks": 2,
-        "ranks_per_engine": 2,
         "tp_size": 2,
         **{"engine": BASE["rollout"]["engine"]},
     },
@@ -355,7 +353,7 @@ def test_an_engine_spanning_nodes_runs_decoupled_without_fault_tolerance():
 
 def test_an_engine_spanning_nodes_is_refused_colocated():
     two_nodes = ["cluster.nnodes=2", "cluster.nproc_per_node=1", "rollout.ranks=2", *SPLIT]
-    job = build_config(BASE, [*two_nodes, "rollout.ranks_per_engine=2", "rollout.tp_size=2"])
+    job = build_config(BASE, [*two_nodes, "rollout.tp_size=2"])
     with pytest.raises(ConfigError, match="decoupled placement only") as refused:
         check_runnable(job, plan(job))
-    assert refused.value.fields == ("placement.mode", "rollout.ranks_per_engine")
+    assert refused.value.fields == ("placement.mode", "rollout.tp_size")

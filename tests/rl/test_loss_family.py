@@ -240,10 +240,20 @@ def test_evaluation_is_due_every_k_steps_and_after_the_last():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"n_samples": 4}, "eval.temperature=0 is greedy"),
-        ({"n_samples": 2, "temperature": 1.0, "pass_k": [4]}, r"pass_k=\[4\] needs each k"),
-        ({"prompt_key": "q"}, "eval.prompt_key names fields of a dataset file"),
-        ({"seed": 0}, "would evaluate on the training prompts"),
+        ({"sampling": {"n_samples": 4}}, "eval.sampling: temperature=0 is greedy"),
+        (
+            {"sampling": {"n_samples": 2, "temperature": 1.0}, "pass_k": [4]},
+            r"pass_k=\[4\] needs each k",
+        ),
+        (
+            {"data": {"dataset": "builtin:arithmetic", "prompt_key": "q"}},
+            "eval.data.prompt_key names fields of a dataset file",
+        ),
+        (
+            {"data": {"dataset": "builtin:arithmetic", "seed": 0}},
+            "would evaluate on the training prompts",
+        ),
+        ({"dataset": "builtin:arithmetic"}, "eval.dataset"),  # the flat form is refused
     ],
 )
 def test_eval_settings_that_cannot_work_are_refused(fields, message):
@@ -251,7 +261,7 @@ def test_eval_settings_that_cannot_work_are_refused(fields, message):
         "cluster": {"nproc_per_node": 2, "device": "cpu"},
         "trainer": {"model": "m", "ranks": 1},
         "rollout": {"engine": {"max_total_tokens": 64}},
-        "eval": {"dataset": "builtin:arithmetic", **fields},
+        "eval": {"data": {"dataset": "builtin:arithmetic"}} | fields,
     }
     with pytest.raises(ConfigError, match=message):
         build_config(raw)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from relax_launch.rl.config import LoggingConfig
 from relax_launch.rl.report import WANDB_RUN_ID, MetricsLog, ema, metric_sinks, plot_curves
-from relax_launch.runtime.config import LoggingConfig
 
 
 def rows(steps: range, reward: float) -> list[dict[str, float]]:

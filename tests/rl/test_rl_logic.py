@@ -15,8 +15,9 @@ from relax_launch.rl import runner
 from relax_launch.rl.advantages import distill_advantages, grpo
 from relax_launch.rl.batch import assign_advantages, to_batch
 from relax_launch.rl.config import DataConfig, RewardConfig, RewardSource
-from relax_launch.rl.data import PromptStream, load_prompts
-from relax_launch.rl.loop import drop_stale
+from relax_launch.rl.context import PromptFeed, StepResult
+from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
+from relax_launch.rl.phases import drop_stale
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import (
     JUDGE_PREFILL,
@@ -317,41 +318,34 @@ class WordTokenizer:
 
 
 def test_prompts_longer_than_the_limit_are_skipped_and_counted(tmp_path):
-    from relax_launch.rl.loop import RLContext, next_prompts
-
     path = tmp_path / "d.jsonl"
     rows = ['{"prompt": "short one"}', '{"prompt": "' + "long " * 50 + '"}', '{"prompt": "ok too"}']
     path.write_text("\n".join(rows) + "\n")
     limits = DataConfig(dataset=str(path), prompts_per_step=2, max_prompt_tokens=8, shuffle=False)
-    ctx = RLContext(
-        session=None,
-        algorithm=None,
-        data=limits,
-        prompts=PromptStream(load_prompts(limits), shuffle=False, seed=0),
-        tokenizer=WordTokenizer(),
-        rewards=None,
-        log=None,
-        has_teacher=False,
-        engines=None,
-        checkpoints=None,
-    )
-    chosen = next_prompts(ctx)
-    assert [p.index for p, _ in chosen] == [0, 2] and ctx.skipped_prompts == 1
+    stream = PromptStream(load_prompts(limits), shuffle=False, seed=0)
+    feed = PromptFeed(stream, WordTokenizer(), limits)
+    chosen = feed.draw()
+    assert [p.index for p, _ in chosen] == [0, 2] and feed.skipped == 1
     only_long = tmp_path / "long.jsonl"
     only_long.write_text(rows[1] + "\n")
-    ctx.prompts = PromptStream(load_prompts(data(only_long)), shuffle=False, seed=0)
+    stream = PromptStream(load_prompts(data(only_long)), shuffle=False, seed=0)
     with pytest.raises(RuntimeError, match="max_prompt_tokens=8"):
-        next_prompts(ctx)
+        PromptFeed(stream, WordTokenizer(), limits).draw()
 
 
 def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monkeypatch, tmp_path):
     now = [0.0]
     monkeypatch.setattr(runner, "clock", lambda: now[0])
 
-    def step_of_six_seconds(ctx, step, num_steps):
-        ctx.seconds = {"rollout": 2.0, "train": 3.0, "sync": 1.0}
-        now[0] += 6.0
-        return {"step": step + 1, "reward": 0.5, "tokens_per_s": 1.0}
+    class StepsOfSixSeconds:
+        def step(self, step):
+            now[0] += 6.0
+            metrics = {"step": step + 1, "reward": 0.5, "tokens_per_s": 1.0}
+            seconds = {"rollout": 2.0, "train": 3.0, "sync": 1.0}
+            return StepResult(metrics, PromptCursor(), seconds)
+
+        def close(self):
+            pass
 
     class SlowLog(MetricsLog):
         def write(self, metrics):
@@ -360,20 +354,16 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
 
     console = Console(file=io.StringIO())
     ctx = SimpleNamespace(
-        algorithm=SimpleNamespace(off_policy_steps=0),
         log=SlowLog(tmp_path),
-        session=SimpleNamespace(
-            console=console, stop_requested=lambda wait_s=0.0: None, stop=StopRequest(0, tmp_path)
+        job=SimpleNamespace(
+            console=console,
+            stop=StopRequest(0, tmp_path),
+            engines=SimpleNamespace(cancel_all=lambda why: None),
         ),
-        engines=SimpleNamespace(cancel_all=lambda why: None),
-        checkpoints=None,
+        feed=SimpleNamespace(position=PromptCursor),
         checkpoint_every=None,
-        evaluation=None,
-        continuous=None,
-        background=None,
-        seconds={},
     )
-    history = runner.run(ctx, 3, tmp_path, step_fn=step_of_six_seconds)
+    history = runner.run(ctx, StepsOfSixSeconds(), 3, tmp_path)
     # step k's window starts where step k-1's ended: writing step k-1's row is in step k
     assert [r["time/step"] for r in history] == [6.0, 10.0, 10.0]
     assert [r["time/other"] for r in history] == [0.0, 4.0, 4.0]

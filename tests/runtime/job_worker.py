@@ -19,11 +19,11 @@ import time
 import torch
 
 from relax_launch.config import load_config
+from relax_launch.inference.engine import get_json, post
 from relax_launch.placement import plan
 from relax_launch.runtime.job import run_rank
 from relax_launch.runtime.workers import TrainStep
 from relax_launch.trainer.batch import TokenBatch
-from relax_launch.weights.engine_client import get_json, post
 from relax_launch.weights.update_session import WeightSyncError
 
 SEQUENCES = [[5, 17, 42, 99, 7, 150, 23, 61], [9, 88, 31, 4, 270, 12, 55, 200, 13, 77]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from relax_launch.rl.checkpoints import COMPLETE, Checkpoints
 from relax_launch.rl.report import MetricsLog
-from relax_launch.runtime.checkpoint import COMPLETE, Checkpoints
 
 
 def test_newest_ignores_incomplete_and_keep_last_prunes(tmp_path):

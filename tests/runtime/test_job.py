@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from relax_launch.commands.launcher import explain_failure, torchrun_command
 from relax_launch.config import load_config
 from relax_launch.inference.process import free_port
 from relax_launch.placement import plan
-from relax_launch.runtime.launcher import explain_failure, torchrun_command
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from relax_launch.commands.launcher import explain_failure, failure_report, next_steps
 from relax_launch.config import build_config
 from relax_launch.placement import plan
-from relax_launch.runtime.checkpoint import Checkpoints
-from relax_launch.runtime.launcher import explain_failure, failure_report, next_steps
+from relax_launch.rl.checkpoints import Checkpoints
 
 SUMMARY = """
 Root Cause (first observed failure):

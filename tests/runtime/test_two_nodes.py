@@ -25,10 +25,10 @@ import pytest
 from harness import netns
 from harness.processes import TEST_TAG, processes_tagged
 
+from relax_launch.commands.launcher import ENTRY_MODULE, torchrun_command
 from relax_launch.config import load_config
 from relax_launch.inference.process import free_port
 from relax_launch.placement import plan
-from relax_launch.runtime.launcher import ENTRY_MODULE, torchrun_command
 
 pytestmark = pytest.mark.e2e
 CONFIG = Path(__file__).parent / "two_nodes_tiny.yaml"

@@ -80,8 +80,8 @@ def test_other_load_formats_run_sglangs_own_receive():
 def test_sglang_finds_the_receiver_plugin_and_a_plugin_whitelist_keeps_it(tmp_path):
     from importlib.metadata import entry_points
 
-    from relax_launch.inference.server import SGLangServer
-    from relax_launch.weights.receiver import RECEIVER_PLUGIN, register
+    from relax_launch.inference.server import RECEIVER_PLUGIN, SGLangServer
+    from relax_launch.weights.receiver import register
 
     (plugin,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == RECEIVER_PLUGIN]
     assert plugin.load() is register

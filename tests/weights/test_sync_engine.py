@@ -15,17 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax_launch.inference.engine import EngineRequestError, get_json, post
 from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.colocated import BucketSender
-from relax_launch.weights.engine_client import EngineRequestError, get_json, post
 from relax_launch.weights.sync import ReceiverMissing, TensorSpec, WeightSender
 from relax_launch.weights.update_session import (
-    Deadline,
     EngineTarget,
     UpdateSession,
     WeightSyncError,
+    sync_deadline,
 )
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ PROMPT = list(range(40, 72))  # long enough that the prefix cache holds most of 
 
 def sync(sender: WeightSender, weights: dict[str, torch.Tensor], version: int):
     """What the controller does for one pipeline stage; returns the sender's report."""
-    engines = UpdateSession(sender.targets, Deadline(120), sender.control)
+    engines = UpdateSession(sender.targets, sync_deadline(120), sender.control)
     engines.open()
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     try:
@@ -134,7 +134,7 @@ def test_an_export_that_does_not_match_fails_the_send_and_leaves_the_version(
     sender = connected(BucketSender, tiny_server.url, "mismatch-test")
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     halved = [(n, t * 0.5 if n != "model.norm.weight" else t[:2]) for n, t in weights.items()]
-    engines = UpdateSession(sender.targets, Deadline(60), sender.control)
+    engines = UpdateSession(sender.targets, sync_deadline(60), sender.control)
     engines.open()
     try:
         with pytest.raises(WeightSyncError, match="does not match the manifest"):
@@ -230,7 +230,7 @@ def test_an_engine_dying_mid_sync_fails_it_at_once_and_frees_the_others(
 
     try:
         sender.connect(60)
-        engines = UpdateSession(sender.targets, Deadline(120), sender.control)
+        engines = UpdateSession(sender.targets, sync_deadline(120), sender.control)
         engines.open()
         began = time.monotonic()
         with pytest.raises(WeightSyncError, match="its broadcast group was dropped"):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch import http
-from relax_launch.runtime.stop import read_end_record
+from relax_launch.run_dir import read_end_record
 
 GATEWAY_TIMEOUT_S = 3.0
 

@@ -20,22 +20,23 @@ from pathlib import Path
 import psutil
 
 from relax_launch.config.job import JobConfig
+from relax_launch.deadline import Deadline
 from relax_launch.inference.process import die_with_parent, free_port
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
-from relax_launch.runtime.checkpoint import Checkpoints
-from relax_launch.runtime.console import rank_log_path
-from relax_launch.runtime.stop import (
+from relax_launch.rl.checkpoints import Checkpoints
+from relax_launch.run_dir import (
     END_RECORD,
     EXIT_ABORTED,
     EXIT_STOPPED,
     JOB_STARTED_ENV,
     LAUNCHER_ENV,
     STOP_FILE,
+    rank_log_path,
     read_end_record,
     resume_command,
-    signal_name,
 )
+from relax_launch.runtime.stop import signal_name
 
 ENTRY_MODULE = "relax_launch.launch"  # what `relax-launch run` starts on every rank
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
@@ -247,8 +248,8 @@ def _stop_group(process: subprocess.Popen, log_dir: Path, marker: str) -> None:
     after ``GROUP_EXIT_S`` is killed by PID."""
     if process.poll() is None:
         (log_dir / STOP_FILE).write_text("relax-launch run is ending\n")
-    deadline = time.monotonic() + GROUP_EXIT_S
-    while job_processes(marker) and time.monotonic() < deadline:
+    deadline = Deadline(GROUP_EXIT_S)
+    while job_processes(marker) and not deadline.passed:
         process.poll()
         time.sleep(0.2)
     for leftover in job_processes(marker):

@@ -211,6 +211,6 @@ def render_examples() -> dict[str, str]:
     return scripts
 
 
-if __name__ == "__main__":  # python -m relax_launch.runtime.sbatch: rewrite slurm/*.sbatch
+if __name__ == "__main__":  # python -m relax_launch.commands.sbatch: rewrite slurm/*.sbatch
     for name, script in render_examples().items():
         Path("slurm", name).write_text(script)

@@ -16,17 +16,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-CONSOLE_LOGGER = "relax_launch.console"
-
-
-def rank_log_path(log_dir: Path, rank: int) -> Path:
-    """The file a rank's stdout, stderr and logging go to."""
-    return log_dir / f"rank{rank}.log"
-
-
-def operator_log() -> logging.Logger:
-    """The logger of the lines the operator reads on rank 0's console."""
-    return logging.getLogger(CONSOLE_LOGGER)
+from relax_launch.console import operator_log
+from relax_launch.run_dir import rank_log_path
 
 
 class _ConsoleHandler(logging.Handler):

@@ -1,0 +1,231 @@
+"""Rank 0's side of weight sync: which rollout engines take the weights, in which broadcast
+groups, and a sync that never leaves an engine half-updated in routing.
+
+Each pipeline stage's source rank forms a group with the engines (``connect``); ``sync`` opens
+an update session on every engine, has every stage stream its weights into it, and closes it
+(``sync_once``). A send that fails is repaired: the engines stay out of routing while the same
+version is sent once more in a new group, without the engines that died
+(``rollout.fault_tolerance``); see ``docs/architecture.md``, "Never half-updated".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from relax_launch.console import operator_log
+from relax_launch.deadline import Deadline
+from relax_launch.inference.engine import EngineControl, EngineRequestError
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.placement.plan import PlacementPlan, sync_rank_offsets
+from relax_launch.runtime.control import Command, RemoteError
+from relax_launch.runtime.engine_restart import RolloutMembership, engine_alive
+from relax_launch.runtime.workers import ConnectWeights, SendWeights
+from relax_launch.weights.update_session import (
+    EngineTarget,
+    UpdateSession,
+    WeightSyncError,
+    sync_deadline,
+)
+
+# A rank's own deadline error names what it waited for; the channel's reply timeout, a little
+# later, only that the rank did not answer.
+REPLY_MARGIN_S = 10.0
+# After a failed send, how long an engine may take to answer /health before it counts as dead
+# (a live one is freed from the broken broadcast within a second or two).
+REPAIR_HEALTH_S = 15.0
+# runs a command on ranks (rank 0's own share in process), within a timeout
+Call = Callable[[Command, list[int], float], dict[int, Any]]
+
+
+class WeightSync:
+    """The rollout engines' weights, as rank 0 drives them (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: PlacementPlan,
+        call: Call,
+        urls: Callable[[], list[str]],
+        rollout: InferenceManager | None,
+        store: Any,
+        timeout_s: float,
+    ) -> None:
+        self.plan, self._call, self.urls, self.rollout = plan, call, urls, rollout
+        self.store, self.timeout_s = store, timeout_s
+        self.sync_targets: list[EngineTarget] = []
+        self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
+        self.weight_version: int | None = None
+        self.membership: RolloutMembership | None = None  # rollout.fault_tolerance only
+        self._sync_groups = 0  # broadcast groups formed so far (each one is named anew)
+
+    def connect(self, members: tuple[int, ...] | None = None) -> None:
+        """Each pipeline stage's source rank forms its broadcast group with the rollout engines
+        (``members``: these engines only, in a new group, after one died or came back)."""
+        urls = self.urls()
+        rollout = self.plan.engines_of("rollout")
+        members = tuple(range(len(rollout))) if members is None else members
+        # An engine with one rank holds q/k/v and gate/up fused: send them so, received in place.
+        fused = all(e.tp_size == 1 and e.pp_size == 1 for e in rollout)
+        offsets, world_size = sync_rank_offsets(rollout[index] for index in members)
+        self.sync_targets = [
+            EngineTarget(
+                urls[index],
+                offset,
+                f"rollout engine {index} (rank {rollout[index].head_rank})",
+                rollout[index].tp_size,
+            )
+            for index, offset in offsets
+        ]
+        self._sync_groups += 1
+        for group in self.plan.weight_sync_groups:  # every group reaches the same engines
+            command = ConnectWeights(
+                pp_rank=group.pp_rank,
+                targets=tuple(self.sync_targets),
+                world_size=world_size,
+                fused=fused,
+                colocated=self.plan.mode in ("split", "defer"),
+                seconds_left=self.timeout_s,
+                generation=self._sync_groups,
+            )
+            self._call(command, [group.source_rank], self.timeout_s + REPLY_MARGIN_S)
+        manager = self.rollout
+        if self.membership is None and manager is not None and manager.fault_tolerant:
+            self.membership = RolloutMembership(self.store, manager)
+        if self.membership is not None:
+            self.membership.synced = members
+
+    def metrics(self) -> dict[str, float]:
+        """Rollout engines serving and restarts taken back (``rollout.fault_tolerance``)."""
+        return self.membership.metrics() if self.membership is not None else {}
+
+    def sync(self, weight_version: int) -> list[dict[str, Any]]:
+        """Push the trainer's weights to every rollout engine in routing as ``weight_version``,
+        each engine whole: the rollout model is not routable from the start of the sync until
+        every engine holds the new version.
+
+        A send that fails may have written part of the engines' parameters (they receive in
+        place). They stay out of routing (requests get 503 with Retry-After) while the same
+        version is sent once more, in a new broadcast group: the trainer's parameters have not
+        changed. Under ``rollout.fault_tolerance`` the engines that died are left out of it
+        (they serve again once restarted and synced); without it a dead engine ends the job.
+        If the second send fails too, the rollout model stays closed and the error names the
+        engines that may hold mixed weights. Returns each pipeline stage's report; a repaired
+        sync's carry ``repaired: 1``.
+        """
+        rollout = self.rollout
+        if rollout is not None:
+            rollout.weights_updating()
+        try:
+            reports = self._sync_whole(weight_version)
+        except BaseException as exc:
+            if rollout is not None:
+                rollout.weights_lost(f"the sync to version {weight_version} failed: {exc}")
+            raise
+        if rollout is not None:
+            rollout.weights_committed(weight_version)
+        self.weight_version = weight_version
+        return reports
+
+    def _sync_whole(self, weight_version: int) -> list[dict[str, Any]]:
+        if self.membership is not None and (members := self.membership.before_sync()):
+            operator_log().warning(self.membership.describe(members, weight_version))
+            self.connect(members)  # engines died or came back
+        try:
+            return self.sync_once(weight_version)
+        except (WeightSyncError, EngineRequestError, RemoteError) as exc:
+            failed = exc
+        members = self._engines_to_repair(weight_version, failed)
+        operator_log().warning(
+            f"relax-launch: the sync to version {weight_version} failed ({_first_line(failed)});"
+            f" rollout engines {list(members)} stay out of routing while the same version is "
+            "sent again"
+        )
+        self.connect(members)
+        try:
+            reports = self.sync_once(weight_version)
+        except (WeightSyncError, EngineRequestError, RemoteError) as again:
+            labels = ", ".join(t.label for t in self.sync_targets)
+            raise WeightSyncError(
+                f"weight sync to version {weight_version} failed ({_first_line(failed)}) and "
+                f"sending it again failed ({_first_line(again)}): {labels} may hold mixed "
+                "weights and stay out of routing"
+            ) from again
+        return [{**report, "repaired": 1} for report in reports]
+
+    def _engines_to_repair(self, weight_version: int, failed: BaseException) -> tuple[int, ...]:
+        """The rollout engines the repairing send goes to: those of the failed sync, less the
+        ones that died (fault tolerance); a dead engine without it ends the job here. An engine
+        is dead when it does not answer ``/health``: a stopped process refuses at once, while a
+        live one freed from the failed broadcast answers within ``REPAIR_HEALTH_S``."""
+        engines = range(len(self.plan.engines_of("rollout")))
+        synced = self.membership.synced if self.membership is not None else None
+        members = tuple(synced if synced is not None else engines)
+        urls = self.urls()
+        dead = [i for i in members if not engine_alive(urls[i], REPAIR_HEALTH_S)]
+        if dead and self.membership is None:
+            raise WeightSyncError(
+                f"weight sync to version {weight_version} failed: rollout engines {dead} died "
+                f"during it ({_first_line(failed)}); with rollout.fault_tolerance=true the "
+                "others would take the version and the job go on"
+            ) from failed
+        if dead:
+            self.membership.drop(dead, f"it died during the sync to version {weight_version}")
+            members = tuple(i for i in members if i not in dead)
+        if not members:
+            raise WeightSyncError(
+                f"weight sync to version {weight_version} failed and no rollout engine is left "
+                f"to take it: {_first_line(failed)}"
+            ) from failed
+        return members
+
+    def sync_once(self, weight_version: int) -> list[dict[str, Any]]:
+        """One send of the trainer's weights to the engines of the current broadcast groups as
+        ``weight_version``, within ``weight_sync.timeout_s``: one update session per engine,
+        every pipeline stage streams into it with one request per engine that sets the version
+        and flushes the prefix cache (``sync_weights`` keeps the engines out of routing)."""
+        replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
+        deadline = sync_deadline(self.timeout_s)
+        engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
+        began = time.monotonic()
+        try:
+            engines.open()
+            control_s = time.monotonic() - began
+            replies = self._stage_by_stage(
+                lambda left: SendWeights(weight_version, left), replica0, deadline, "sending"
+            )
+        except BaseException:
+            with contextlib.suppress(EngineRequestError, WeightSyncError):
+                engines.close()  # on every engine it opened on; keep the sync's own error
+            raise
+        began = time.monotonic()
+        engines.close()
+        control_s += time.monotonic() - began
+        return [{**r, "control_s": control_s} for r in replies.values() if r is not None]
+
+    def _stage_by_stage(
+        self,
+        command: Callable[[float], Command],
+        replica0: list[int],
+        deadline: Deadline,
+        what: str,
+    ) -> dict[int, Any]:
+        """Run a weight command (built with the seconds left) on one pipeline stage after the
+        other. An engine serves one update request at a time and every stage's broadcast group
+        spans every engine, so two stages sending at once could each hold an engine the other
+        one waits for; in turn, the engines take the stages in the same order."""
+        replies: dict[int, Any] = {}
+        for stage in range(self.plan.trainer.pp_size):
+            ranks = [r for r in replica0 if self.plan.trainer.coordinates(r)[2] == stage]
+            left = deadline.left(what)
+            replies.update(self._call(command(left), ranks, left + REPLY_MARGIN_S))
+        return replies
+
+    def close(self) -> None:
+        self.engine_control.close()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
