@@ -34,7 +34,10 @@ class Deadline:
 
 
 def wait_until(
-    condition: Callable[[], T], timeout_s: float, interval_s: float = 0.1, max_interval_s=None
+    condition: Callable[[], T],
+    timeout_s: float,
+    interval_s: float = 0.1,
+    max_interval_s: float | None = None,
 ) -> T | None:
     """Call ``condition`` every ``interval_s`` (doubling up to ``max_interval_s`` when given)
     until it returns something truthy, which is returned; None once ``timeout_s`` passed."""

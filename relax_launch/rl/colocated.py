@@ -251,9 +251,7 @@ class EvalWork:
 
     def generate(self) -> None:
         with self.ctx.job.stop.abandonable():
-            self.samples = self.ctx.evaluation.sample(
-                self.ctx.job.engines, self.ctx.data.max_response_tokens
-            )
+            self.samples = self.ctx.evaluation.sample(self.ctx.job.engines)
 
     def score(self, role: str) -> None:
         if role == "genrm":

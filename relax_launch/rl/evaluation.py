@@ -10,7 +10,7 @@ from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
-from relax_launch.rl.config import EvalConfig
+from relax_launch.rl.config import DataConfig, EvalConfig
 from relax_launch.rl.data import Prompt, load_prompts, prompt_ids
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
@@ -25,10 +25,13 @@ def pass_at_k(n: int, passed: int, k: int) -> float:
 
 
 class Evaluation:
-    """The eval prompts, tokenized once (those over the prompt limit left out and counted)."""
+    """The eval prompts, tokenized once (those over the prompt limit left out and counted), and
+    the response limit (``eval.sampling``'s, else ``data.max_response_tokens``)."""
 
-    def __init__(self, config: EvalConfig, tokenizer: Any, max_prompt_tokens: int) -> None:
+    def __init__(self, config: EvalConfig, tokenizer: Any, data: DataConfig) -> None:
         self.config = config
+        max_prompt_tokens = data.max_prompt_tokens
+        self.max_tokens = config.sampling.max_response_tokens or data.max_response_tokens
         prompts = load_prompts(config.data)[: config.max_prompts]
         self.prompts: list[tuple[Prompt, list[int]]] = []
         for prompt in prompts:
@@ -47,14 +50,12 @@ class Evaluation:
         every = self.config.every_steps
         return step == num_steps or (every > 0 and step % every == 0)
 
-    def run(
-        self, engines: EngineClients, rewards: Rewards, max_response_tokens: int
-    ) -> dict[str, float]:
+    def run(self, engines: EngineClients, rewards: Rewards) -> dict[str, float]:
         """Sample, score and summarise (``summarize``)."""
-        samples = self.sample(engines, max_response_tokens)
+        samples = self.sample(engines)
         return self.summarize(samples, rewards.score(samples))
 
-    def sample(self, engines: EngineClients, max_response_tokens: int) -> list[Sample]:
+    def sample(self, engines: EngineClients) -> list[Sample]:
         """``n_samples`` per eval prompt from the rollout engines' current weights."""
         sampling = self.config.sampling
         return rollout.generate(
@@ -62,7 +63,7 @@ class Evaluation:
             self.prompts,
             n=sampling.n_samples,
             temperature=sampling.temperature,
-            max_tokens=sampling.max_response_tokens or max_response_tokens,
+            max_tokens=self.max_tokens,
         )
 
     def summarize(

@@ -77,7 +77,7 @@ def rl_context(
         generator = functools.partial(agent.generate, function=function, tokenizer=tokenizer)
     evaluation = None
     if job.eval is not None:
-        evaluation = Evaluation(job.eval, tokenizer, job.data.max_prompt_tokens)
+        evaluation = Evaluation(job.eval, tokenizer, job.data)
     return RLContext(
         job=session,
         algorithm=job.algorithm,

@@ -131,9 +131,8 @@ def record(
     if evaluation is not None and evaluation.due(step + 1, num_steps):
         try:
             with timed(result.seconds, "eval"), ctx.job.stop.abandonable():
-                result.metrics |= evaluation.run(  # the weights this step synced
-                    ctx.job.engines, ctx.rewards, ctx.data.max_response_tokens
-                )
+                # the weights this step synced
+                result.metrics |= evaluation.run(ctx.job.engines, ctx.rewards)
         except StepAbandoned:  # the step is done, its evaluation is not
             pass
 

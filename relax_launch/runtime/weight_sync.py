@@ -192,9 +192,7 @@ class WeightSync:
         try:
             engines.open()
             control_s = time.monotonic() - began
-            replies = self._stage_by_stage(
-                lambda left: SendWeights(weight_version, left), replica0, deadline, "sending"
-            )
+            replies = self._send_stage_by_stage(weight_version, replica0, deadline)
         except BaseException:
             with contextlib.suppress(EngineRequestError, WeightSyncError):
                 engines.close()  # on every engine it opened on; keep the sync's own error
@@ -204,22 +202,21 @@ class WeightSync:
         control_s += time.monotonic() - began
         return [{**r, "control_s": control_s} for r in replies.values() if r is not None]
 
-    def _stage_by_stage(
-        self,
-        command: Callable[[float], Command],
-        replica0: list[int],
-        deadline: Deadline,
-        what: str,
+    def _send_stage_by_stage(
+        self, weight_version: int, replica0: list[int], deadline: Deadline
     ) -> dict[int, Any]:
-        """Run a weight command (built with the seconds left) on one pipeline stage after the
-        other. An engine serves one update request at a time and every stage's broadcast group
-        spans every engine, so two stages sending at once could each hold an engine the other
-        one waits for; in turn, the engines take the stages in the same order."""
+        """Each pipeline stage's source ranks send their weights, one stage after the other
+        (each with the seconds left). An engine serves one update request at a time and every
+        stage's broadcast group spans every engine, so two stages sending at once could each
+        hold an engine the other one waits for; in turn, the engines take the stages in the
+        same order."""
         replies: dict[int, Any] = {}
         for stage in range(self.plan.trainer.pp_size):
             ranks = [r for r in replica0 if self.plan.trainer.coordinates(r)[2] == stage]
-            left = deadline.left(what)
-            replies.update(self._call(command(left), ranks, left + REPLY_MARGIN_S))
+            left = deadline.left("sending")
+            replies.update(
+                self._call(SendWeights(weight_version, left), ranks, left + REPLY_MARGIN_S)
+            )
         return replies
 
     def close(self) -> None:
