@@ -67,7 +67,9 @@ setup(
         "cpu": RUNTIME_DEPS + SGLANG_CPU_DEPS,
         "gpu": RUNTIME_DEPS + ["sglang"],
         # httpx: the tests' and benchmarks' own client, independent of the package's
-        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis", "httpx"],
+        # peft: the tests load a LoRA run's adapter export as a PEFT model
+        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis", "httpx"]
+        + ["peft"],
     },
     entry_points={
         "console_scripts": ["relax-launch=relax_launch.cli:main"],

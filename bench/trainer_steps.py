@@ -18,17 +18,35 @@ from pathlib import Path
 STEPS = 4
 
 
-def rank_main() -> None:
+def ppo_batch():
+    """16 random sequences of 60-75 tokens (responses after 40), as a PPO batch."""
     import torch
+
+    from relax_launch.trainer.batch import TokenBatch
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = [
+        torch.randint(10, 40000, (60 + 5 * (i % 4),), generator=generator).tolist()
+        for i in range(16)
+    ]
+    return TokenBatch(
+        tuple(map(tuple, tokens)),
+        tuple(tuple(float(j >= 40) for j in range(len(t))) for t in tokens),
+        tuple(tuple(0.5 for _ in t) for t in tokens),
+        tuple(tuple(-1.0 for _ in t) for t in tokens),
+    )
+
+
+def dp_trainer(**fields: object) -> tuple:
+    """This torchrun rank's share of a DP trainer of SmolLM2 (fp32, micro-batch 4) with extra
+    TrainerConfig ``fields``, and its shard of ``ppo_batch``: (trainer, shard, rank)."""
     import torch.distributed as dist
 
     from relax_launch import platform
     from relax_launch.models.build import ensure_model
     from relax_launch.placement.plan import TrainerLayout
     from relax_launch.runtime.groups import build_trainer_groups
-    from relax_launch.trainer.batch import TokenBatch
     from relax_launch.trainer.config import TrainerConfig
-    from relax_launch.trainer.losses import LossSpec
 
     dist.init_process_group(platform.dist_backend("cpu"))
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -41,23 +59,20 @@ def rank_main() -> None:
 
     model = ensure_model("builtin:smollm2-135m-instruct")
     section = TrainerConfig(
-        model=str(model), ranks=world, micro_batch_size=4, lr=1e-5, dtype="float32"
+        model=str(model), ranks=world, micro_batch_size=4, lr=1e-5, dtype="float32", **fields
     )
-    start = time.perf_counter()
     trainer = Trainer(section=section, model_dir=model, pgc=pgc, device="cpu")
+    return trainer, ppo_batch().shards(world)[rank], rank
+
+
+def rank_main() -> None:
+    import torch.distributed as dist
+
+    from relax_launch.trainer.losses import LossSpec
+
+    start = time.perf_counter()
+    trainer, shard, rank = dp_trainer()
     print(f"rank {rank}: trainer built in {time.perf_counter() - start:.1f} s", flush=True)
-    generator = torch.Generator().manual_seed(0)
-    tokens = [
-        torch.randint(10, 40000, (60 + 5 * (i % 4),), generator=generator).tolist()
-        for i in range(16)
-    ]
-    batch = TokenBatch(
-        tuple(map(tuple, tokens)),
-        tuple(tuple(float(j >= 40) for j in range(len(t))) for t in tokens),
-        tuple(tuple(0.5 for _ in t) for t in tokens),
-        tuple(tuple(-1.0 for _ in t) for t in tokens),
-    )
-    shard = batch.shards(world)[rank]
     for step in range(STEPS):
         start = time.perf_counter()
         trainer.logprobs(shard)

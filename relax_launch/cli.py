@@ -127,6 +127,12 @@ def _announce(job: JobConfig, placement: PlacementPlan, notes: list[str]) -> Non
         threads = ", ".join(f"{r} {placement.cpu_threads(0, r, cores, overlap)}" for r in roles)
         line += f"; threads per process ({cores} cores): {threads}"
     click.echo(line)
+    if (lora := job.trainer.lora) is not None:
+        held = {"merged": "merged weights", "adapter": "the adapter"}[lora.engines]
+        click.echo(
+            f"LoRA: rank {lora.rank}, scale {lora.scale:g}, on {', '.join(lora.target_modules)};"
+            f" the rollout engines hold {held}"
+        )
     for note in notes:
         click.echo(f"note: {note}")
     click.echo(f"logs: {job.log_dir}/ (rank<R>.log per rank, <role>-engine<N>.log per engine)")
@@ -214,3 +220,33 @@ def stop_command(run_dir: str) -> None:
 
     (Path(run_dir) / STOP_FILE).touch()
     click.echo(f"relax-launch: asked the job in {run_dir} to stop after a checkpoint")
+
+
+@main.command("export")
+@click.argument("source", metavar="RUN_DIR|CHECKPOINT", type=click.Path(exists=True))
+@click.option(
+    "--out", required=True, type=click.Path(), help="The new directory to write (must be empty)."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp32"]),
+    help="Dtype of the written weights (default: the trainer's).",
+)
+@click.option(
+    "--merge-lora",
+    is_flag=True,
+    help="LoRA checkpoints: write the merged full model instead of the PEFT adapter.",
+)
+def export_command(source: str, out: str, dtype: str | None, merge_lora: bool) -> None:
+    """Write a checkpoint (or a run directory's newest) as a Hugging Face model directory; a
+    LoRA run's as a PEFT adapter unless --merge-lora."""
+    from pathlib import Path
+
+    from relax_launch.commands.export import ExportError, export_checkpoint
+
+    names = {"bf16": "bfloat16", "fp32": "float32", None: None}
+    try:
+        written = export_checkpoint(Path(source), Path(out), names[dtype], merge_lora)
+    except (ExportError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    click.echo(f"relax-launch: wrote {written}")

@@ -14,6 +14,7 @@ from typing import Any
 
 STOP_FILE = "STOP"  # its text says who asked
 END_RECORD = "end.json"
+JOB_RECORD = "job.json"  # the job's config as it ran (its checkpoint and export places)
 RESUME_KEY = "checkpoint.resume="
 JOB_STARTED_ENV = "RELAX_JOB_STARTED"  # a STOP file older than this is a previous run's
 LAUNCHER_ENV = "RELAX_LAUNCHER"  # set by `relax-launch run`: it prints how the job ended

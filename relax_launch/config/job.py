@@ -76,6 +76,13 @@ class JobConfig(Section):
             return self.log_dir / "checkpoints"
         return Path(self.checkpoint.dir.format(name=self.name))
 
+    @property
+    def export_dir(self) -> Path:
+        """Where the policy's Hugging Face exports go: checkpoint.export_hf.dir with {name}
+        filled in, else ``hf/`` in the run directory."""
+        directory = self.checkpoint.export_hf.dir
+        return self.log_dir / "hf" if directory is None else Path(directory.format(name=self.name))
+
     def engine_dtype(self, role: str) -> str:
         """The one precision decision for a role's engines: its engine.dtype, else the trainer's
         dtype (so the rollout policy's logprobs match the trainer's)."""
@@ -143,7 +150,7 @@ class JobConfig(Section):
     def _cross_section_rules(self) -> JobConfig:
         problems = _role_usage_problems(self) + _colocation_problems(self) + _engine_problems(self)
         problems += _batch_problems(self) + _fault_tolerance_problems(self)
-        problems += _algorithm_problems(self)
+        problems += _algorithm_problems(self) + _lora_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -272,6 +279,18 @@ def _fault_tolerance_problems(job: JobConfig) -> list[str]:
     if not needs:
         return []
     return [f"rollout.fault_tolerance needs {' and '.join(needs)}: set them or turn it off."]
+
+
+def _lora_problems(job: JobConfig) -> list[str]:
+    """Where the rollout engines can serve the policy as a LoRA adapter."""
+    lora = job.trainer.lora
+    if lora is None or lora.engines != "adapter" or job.placement.mode == "decoupled":
+        return []
+    return [
+        f"trainer.lora.engines=adapter needs placement.mode=decoupled (not "
+        f"{job.placement.mode}): the colocated engines swap their weights in and out of memory, "
+        "which SGLang's LoRA serving does not follow; use trainer.lora.engines=merged."
+    ]
 
 
 def _algorithm_problems(job: JobConfig) -> list[str]:

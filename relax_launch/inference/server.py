@@ -16,14 +16,18 @@ RECEIVER_PLUGIN = "relax_launch_weights"
 
 
 def engine_cli_args(engine: dict[str, Any]) -> list[str]:
-    """``{max_total_tokens: 4096, enable_x: true}`` -> ``--max-total-tokens 4096 --enable-x``."""
+    """``{max_total_tokens: 4096, enable_x: true, names: [a, b], over: {k: 1}}`` ->
+    ``--max-total-tokens 4096 --enable-x --names a b --over '{"k": 1}'`` (a list is the values
+    of a many-valued flag, a mapping one JSON value)."""
     args = []
     for key, value in engine.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             args.append(flag)
+        elif isinstance(value, list | tuple):
+            args += [flag, *map(str, value)]
         elif value is not False and value is not None:
-            args += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return args
 
 

@@ -181,3 +181,20 @@ def release_cached_memory(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def pinned_memory_without_accelerator() -> None:
+    """In a process without a GPU, ``pin_memory`` means ordinary memory instead of an error
+    (``cpu.pinned_memory_is_ordinary``); with one, nothing changes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from relax_launch.platform.cpu import pinned_memory_is_ordinary
+
+        pinned_memory_is_ordinary()
+
+
+def lora_backend(device: Device) -> str:
+    """SGLang's LoRA kernels for an engine on ``device``: its own default (Triton kernels) on a
+    GPU, plain torch on the CPU (the only backend without Triton)."""
+    return "torch_native" if device == "cpu" else "csgmv"

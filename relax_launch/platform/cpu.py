@@ -51,3 +51,27 @@ def redirect_megatron_to_cpu() -> CudaToCpu:
     mode = CudaToCpu()
     mode.__enter__()
     return mode
+
+
+PINNING_FACTORIES = (
+    "tensor", "empty", "zeros", "ones", "full", "arange", "as_tensor", "empty_strided",
+    "empty_like", "zeros_like", "ones_like", "full_like",
+)  # fmt: skip
+
+
+def pinned_memory_is_ordinary() -> None:
+    """Without an accelerator there is no pinned memory: ``Tensor.pin_memory()`` returns the
+    tensor and the factories ignore ``pin_memory=True`` instead of raising (SGLang's LoRA
+    serving asks for pinned staging buffers unconditionally). Only the engines that serve a LoRA
+    adapter on the CPU run this."""
+
+    def ignoring_pin(factory: Any) -> Any:
+        def made(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return made
+
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for name in PINNING_FACTORIES:
+        setattr(torch, name, ignoring_pin(getattr(torch, name)))

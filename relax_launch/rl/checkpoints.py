@@ -4,8 +4,10 @@ how a stop saves the last finished step.
 Layout under ``checkpoint.dir`` (unset: the run directory's ``checkpoints/``, written only on a
 stop)::
 
-    step_000012/trainer_tp0_pp0.pt   model + optimizer of one shard (written by its DP-0 rank)
+    step_000012/trainer_tp0_pp0.pt   model + optimizer of one shard (written by its DP-0 rank;
+                                     LoRA: the adapters and their optimizer state)
     step_000012/controller.json      RL step, prompt cursor, counters (written by rank 0)
+    step_000012/model.json, model/   base model, trainer section; its config and tokenizer
     step_000012/COMPLETE             written last: a directory without it is ignored
 
 A crash while saving leaves an incomplete directory that resume skips and ``keep_last`` does not
@@ -119,6 +121,8 @@ def save_checkpoint(ctx: RLContext, step: int, cursor: PromptCursor) -> None:
     of the last trained batch), then the completion marker."""
     directory = ctx.checkpoints.prepare(step)
     ctx.job.save_trainer(str(directory))
+    if ctx.exports is not None:  # what `relax-launch export` needs to convert it
+        ctx.exports.describe(directory)
     state = {
         "step": step,
         "prompts": dataclasses.asdict(cursor),

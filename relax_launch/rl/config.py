@@ -323,6 +323,18 @@ class EvalConfig(Section):
         return self
 
 
+class ExportConfig(Section):
+    """Hugging Face model directories of the policy (LoRA: merged), written during the run."""
+
+    every_steps: int = Field(0, ge=0, description="Export every K steps; 0: not periodically.")
+    at_end: bool = Field(True, description="Export the final policy once every step has run.")
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="Unset: trainer.dtype.")
+    dir: str | None = Field(
+        None,
+        description="Where exports go, as step_N ({name}: the job name); unset: {logging.dir}/hf.",
+    )
+
+
 class CheckpointConfig(Section):
     """Trainer state + step + data position, saved every K steps."""
 
@@ -335,6 +347,9 @@ class CheckpointConfig(Section):
         0, ge=0, description="Save every K steps; 0 saves only at the end (always when dir is set)."
     )
     keep_last: int = Field(2, ge=0, description="Checkpoints kept in dir; 0 keeps every one.")
+    export_hf: ExportConfig = Field(
+        default_factory=ExportConfig, description="Hugging Face exports during the run."
+    )
     resume: bool = Field(
         False,
         description="Continue from the newest complete checkpoint in dir (unset: in "

@@ -12,6 +12,7 @@ from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.config import AlgorithmConfig, DataConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream, prompt_ids
 from relax_launch.rl.evaluation import Evaluation
+from relax_launch.rl.exports import PolicyExports
 from relax_launch.rl.interfaces import Job
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
@@ -73,6 +74,7 @@ class RLContext:
     collect: Collect
     correction: str = "none"  # algorithm.rollout_correction with auto resolved (by the job)
     evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
+    exports: PolicyExports | None = None  # Hugging Face exports during the run
 
     @property
     def spec(self) -> LossSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from typing import Any
 
 from relax_launch.config.job import JobConfig
@@ -18,6 +19,7 @@ from relax_launch.rl.colocated import Colocated
 from relax_launch.rl.context import PromptFeed, RLContext
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.evaluation import Evaluation
+from relax_launch.rl.exports import PolicyExports
 from relax_launch.rl.interfaces import Job
 from relax_launch.rl.phases import (
     collect_once,
@@ -29,6 +31,7 @@ from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.runner import run
 from relax_launch.rl.schedules import FullyAsync, OffPolicy, Schedule, Synchronous
+from relax_launch.run_dir import JOB_RECORD
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
@@ -40,6 +43,8 @@ def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
 
     def program(session: Job) -> list[dict[str, float]]:
         log_dir = job.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / JOB_RECORD).write_text(json.dumps(job.model_dump(mode="json"), indent=1))
         stream = PromptStream(data, shuffle=job.data.shuffle, seed=job.data.seed)
         checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last)
         start, skipped = resume(session, checkpoints, stream) if job.checkpoint.resume else (0, 0)
@@ -93,6 +98,20 @@ def rl_context(
         collect=collect_until_signal if job.algorithm.dynamic_sampling else collect_once,
         correction=job.rollout_correction(),
         evaluation=evaluation,
+        exports=policy_exports(job),
+    )
+
+
+def policy_exports(job: JobConfig) -> PolicyExports:
+    """Where and when the run exports its policy (``checkpoint.export_hf``)."""
+    section = job.checkpoint.export_hf
+    return PolicyExports(
+        directory=job.export_dir,
+        every_steps=section.every_steps,
+        at_end=section.at_end,
+        dtype=section.dtype or job.trainer.dtype,
+        model_dir=ensure_model(job.trainer.model),
+        config=job.model_dump(mode="json"),
     )
 
 

@@ -16,6 +16,7 @@ from relax_launch.rl.checkpoints import checkpoint_due, save_checkpoint, stop_jo
 from relax_launch.rl.context import RLContext, StepResult
 from relax_launch.rl.data import PromptCursor
 from relax_launch.rl.evaluation import Evaluation
+from relax_launch.rl.exports import export_policy
 from relax_launch.rl.interfaces import StepAbandoned
 from relax_launch.rl.phases import timed
 from relax_launch.rl.report import StepProgress
@@ -124,10 +125,14 @@ def record(
     num_steps: int,
     evaluation: Evaluation | None,
 ) -> None:
-    """What follows a step: its checkpoint when due, then its evaluation (between steps)."""
+    """What follows a step: its checkpoint and Hugging Face export when due, then its
+    evaluation (between steps)."""
     if checkpoint_due(ctx, step + 1, num_steps):
         with timed(result.seconds, "checkpoint"):
             save_checkpoint(ctx, step + 1, result.cursor)
+    if ctx.exports is not None and ctx.exports.due(step + 1, num_steps):
+        with timed(result.seconds, "export"):
+            export_policy(ctx, step + 1, result.metrics)
     if evaluation is not None and evaluation.due(step + 1, num_steps):
         try:
             with timed(result.seconds, "eval"), ctx.job.stop.abandonable():

@@ -23,6 +23,7 @@ from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.runtime.network import node_address
 from relax_launch.runtime.startup import StartupClock
 from relax_launch.runtime.workers import EngineWorker
+from relax_launch.trainer.config import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,14 @@ def engine_worker(
         colocated=plan.mode != "decoupled",
         node_rank=node_rank,
         rendezvous=rendezvous,
+        policy_adapter=policy_adapter(job) if engine.role == "rollout" else None,
     )
+
+
+def policy_adapter(job: JobConfig) -> LoraConfig | None:
+    """The LoRA policy, when the rollout engines serve it as an adapter."""
+    lora = job.trainer.lora
+    return lora if lora is not None and lora.engines == "adapter" else None
 
 
 def cpu_threads(job: JobConfig, plan: PlacementPlan, rank: int, role: str) -> int:

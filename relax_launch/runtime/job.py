@@ -32,7 +32,12 @@ from relax_launch.runtime.distributed import (
     init_distributed,
 )
 from relax_launch.runtime.engine_restart import EngineRestarts
-from relax_launch.runtime.engines import cpu_threads, join_spanning_engines, launch_engines
+from relax_launch.runtime.engines import (
+    cpu_threads,
+    join_spanning_engines,
+    launch_engines,
+    policy_adapter,
+)
 from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.rank_output import route_rank_output
@@ -40,7 +45,9 @@ from relax_launch.runtime.session import Session
 from relax_launch.runtime.startup import StartupClock, StartupMarks
 from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
+from relax_launch.runtime.weight_sync import AdapterServing
 from relax_launch.runtime.workers import TrainerWorker
+from relax_launch.trainer.lora import peft_config
 
 if TYPE_CHECKING:
     from relax_launch.inference.control_plane import ControlPlane
@@ -215,6 +222,16 @@ def build_rank(
     return handlers, shards
 
 
+def adapter_serving(job: JobConfig) -> AdapterServing | None:
+    """Where a LoRA policy served as an adapter is published each sync (``adapters/`` in the
+    run directory, which the engines read), and its PEFT config."""
+    lora = policy_adapter(job)
+    if lora is None:
+        return None
+    base = str(ensure_model(job.trainer.model))
+    return AdapterServing(job.log_dir / "adapters", peft_config(lora, base))
+
+
 def run_controller(
     job: JobConfig,
     plan: PlacementPlan,
@@ -240,6 +257,7 @@ def run_controller(
         console=console,
         startup=clock,
         stop=stop,
+        adapters=adapter_serving(job),
     )
     try:
         result = program(session)

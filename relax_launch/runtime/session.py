@@ -27,7 +27,7 @@ from relax_launch.runtime.startup import (
 )
 from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.trainer_client import TrainerClient
-from relax_launch.runtime.weight_sync import WeightSync
+from relax_launch.runtime.weight_sync import AdapterServing, WeightSync
 from relax_launch.runtime.workers import EngineUrl
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
@@ -53,6 +53,7 @@ class Session:
         console: Console | None = None,
         startup: StartupClock | None = None,
         stop: StopRequest | None = None,
+        adapters: AdapterServing | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
         self.stop = stop or StopRequest(0, Path("."))  # a test's session: never asked to stop
@@ -69,6 +70,7 @@ class Session:
             rollout,
             channel.store,
             weight_sync_timeout_s,
+            adapters,
         )
 
     def _call(
@@ -140,6 +142,9 @@ class Session:
 
     def save_trainer(self, directory: str) -> list[str]:
         return self.trainer.save(directory)
+
+    def export_trainer(self, directory: str, dtype: str) -> dict[str, str]:
+        return self.trainer.export_hf(directory, dtype)
 
     def load_trainer(self, directory: str) -> int:
         return self.trainer.load(directory)

@@ -12,6 +12,7 @@ from relax_launch.placement.plan import TrainerLayout
 from relax_launch.runtime.control import Command, ControlChannel, Handler
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.runtime.workers import (
+    ExportTrainer,
     LoadTrainer,
     Logprobs,
     OffloadTrainer,
@@ -61,6 +62,14 @@ class TrainerClient:
         """Every trainer shard writes its state into ``directory``; returns the files."""
         replies = self._call(SaveTrainer(directory))
         return [path for path in replies.values() if path]
+
+    def export_hf(self, directory: str, dtype: str) -> dict[str, str]:
+        """Every pipeline stage writes its Hugging Face shards into ``directory``; returns
+        {HF tensor name: file} of them all."""
+        weight_map: dict[str, str] = {}
+        for stage_map in self._call(ExportTrainer(directory, dtype)).values():
+            weight_map |= stage_map
+        return weight_map
 
     def load(self, directory: str) -> int:
         """Every trainer rank restores its shard; returns the optimizer steps restored."""

@@ -6,13 +6,19 @@ an update session on every engine, has every stage stream its weights into it, a
 (``sync_once``). A send that fails is repaired: the engines stay out of routing while the same
 version is sent once more in a new group, without the engines that died
 (``rollout.fault_tolerance``); see ``docs/architecture.md``, "Never half-updated".
+
+A LoRA policy served as an adapter (``AdapterServing``) forms no group: each sync publishes the
+adapter and every engine loads it (``weights/adapter_sync.py``), under the same routing rules.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from relax_launch.console import operator_log
@@ -22,7 +28,14 @@ from relax_launch.inference.manager import InferenceManager
 from relax_launch.placement.plan import PlacementPlan, sync_rank_offsets
 from relax_launch.runtime.control import Command, RemoteError
 from relax_launch.runtime.engine_restart import RolloutMembership, engine_alive
-from relax_launch.runtime.workers import ConnectWeights, SendWeights
+from relax_launch.runtime.workers import ConnectWeights, ExportAdapter, SendWeights
+from relax_launch.weights.adapter_sync import (
+    adapter_name,
+    load_everywhere,
+    publish,
+    remove_older,
+    unload_everywhere,
+)
 from relax_launch.weights.update_session import (
     EngineTarget,
     UpdateSession,
@@ -40,6 +53,15 @@ REPAIR_HEALTH_S = 15.0
 Call = Callable[[Command, list[int], float], dict[int, Any]]
 
 
+@dataclass(frozen=True)
+class AdapterServing:
+    """The rollout engines serve the LoRA policy as an adapter: each version is published under
+    ``directory`` (which the engines read) with PEFT's ``config``."""
+
+    directory: Path
+    config: dict[str, Any]
+
+
 class WeightSync:
     """The rollout engines' weights, as rank 0 drives them (see the module docstring)."""
 
@@ -51,9 +73,10 @@ class WeightSync:
         rollout: InferenceManager | None,
         store: Any,
         timeout_s: float,
+        adapters: AdapterServing | None = None,
     ) -> None:
         self.plan, self._call, self.urls, self.rollout = plan, call, urls, rollout
-        self.store, self.timeout_s = store, timeout_s
+        self.store, self.timeout_s, self.adapters = store, timeout_s, adapters
         self.sync_targets: list[EngineTarget] = []
         self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
@@ -79,7 +102,8 @@ class WeightSync:
             for index, offset in offsets
         ]
         self._sync_groups += 1
-        for group in self.plan.weight_sync_groups:  # every group reaches the same engines
+        groups = self.plan.weight_sync_groups if self.adapters is None else ()
+        for group in groups:  # every group reaches the same engines
             command = ConnectWeights(
                 pp_rank=group.pp_rank,
                 targets=tuple(self.sync_targets),
@@ -187,6 +211,8 @@ class WeightSync:
         and flushes the prefix cache (``sync_weights`` keeps the engines out of routing)."""
         replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
         deadline = sync_deadline(self.timeout_s)
+        if self.adapters is not None:
+            return [self._load_adapter(weight_version, replica0, deadline)]
         engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
         began = time.monotonic()
         try:
@@ -201,6 +227,40 @@ class WeightSync:
         engines.close()
         control_s += time.monotonic() - began
         return [{**r, "control_s": control_s} for r in replies.values() if r is not None]
+
+    def _load_adapter(
+        self, weight_version: int, replica0: list[int], deadline: Deadline
+    ) -> dict[str, Any]:
+        """The adapter sync: the stages write their adapters, rank 0 publishes them as one PEFT
+        adapter, every engine loads it as the new version, then drops the one before."""
+        began = time.monotonic()
+        target = self.adapters.directory / adapter_name(weight_version)
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        left = deadline.left("exporting the adapters")
+        replies = self._call(ExportAdapter(str(target)), replica0, left + REPLY_MARGIN_S)
+        files = [file for reply in replies.values() for file in (reply or {}).values()]
+        nbytes = publish(target, files, self.adapters.config)
+        exported = time.monotonic()
+        left = deadline.left("loading the adapter")
+        load_everywhere(self.engine_control, self.sync_targets, target, weight_version, left)
+        loaded = time.monotonic()
+        if self.weight_version is not None and self.weight_version != weight_version:
+            left = deadline.left("unloading the previous adapter")
+            unload_everywhere(self.engine_control, self.sync_targets, self.weight_version, left)
+        remove_older(self.adapters.directory, target)
+        return {
+            "weight_version": weight_version,
+            "transport": "adapter",
+            "num_tensors": len(files),
+            "num_bytes": nbytes,
+            "seconds": time.monotonic() - began,
+            "export_s": exported - began,
+            "transfer_s": 0.0,
+            "engine_s": loaded - exported,
+            "control_s": time.monotonic() - loaded,
+            "receivers": (),
+        }
 
     def _send_stage_by_stage(
         self, weight_version: int, replica0: list[int], deadline: Deadline

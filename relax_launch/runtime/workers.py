@@ -17,12 +17,14 @@ from typing import Any, ClassVar
 
 from relax_launch import platform
 from relax_launch.inference.config import InferenceRoleConfig
+from relax_launch.inference.policy_adapter import POLICY_ADAPTER_ENV
 from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
 from relax_launch.placement.plan import EnginePlan
 from relax_launch.runtime.control import Command, Handler
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.trainer.batch import ShardShape
+from relax_launch.trainer.config import HF_PROJECTIONS, LoraConfig
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.colocated import BucketSender
 from relax_launch.weights.sync import TensorSpec, WeightSender
@@ -47,6 +49,23 @@ class Logprobs(Command):
 @dataclass(frozen=True)
 class SaveTrainer(Command):
     op: ClassVar[str] = "trainer.save"
+    directory: str
+
+
+@dataclass(frozen=True)
+class ExportTrainer(Command):
+    """Write the policy's weights as Hugging Face safetensors shards into ``directory``."""
+
+    op: ClassVar[str] = "trainer.export_hf"
+    directory: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ExportAdapter(Command):
+    """Write the policy's LoRA adapters under PEFT's names into ``directory``."""
+
+    op: ClassVar[str] = "trainer.export_adapter"
     directory: str
 
 
@@ -125,6 +144,8 @@ class TrainerWorker:
             Logprobs.op: self.logprobs,
             SaveTrainer.op: lambda c: self.trainer.save(Path(c.directory)),
             LoadTrainer.op: lambda c: self.trainer.load(Path(c.directory)),
+            ExportTrainer.op: lambda c: self.trainer.export_hf(Path(c.directory), c.dtype),
+            ExportAdapter.op: lambda c: self.trainer.export_adapter(Path(c.directory)),
             OffloadTrainer.op: lambda c: self.trainer.offload(c.parts),
             OnloadTrainer.op: lambda c: self.trainer.onload(c.parts),
             ConnectWeights.op: self.connect,
@@ -151,7 +172,8 @@ class TrainerWorker:
         ``colocated``: the engines share this rank's host and device (split, defer): the
         weights go by ``torch.multiprocessing`` handles instead (``weights/colocated.py``)."""
         self.fused = command.fused
-        self.manifest = [TensorSpec(*spec) for spec in self.trainer.export_manifest(self.fused)]
+        manifest = self.trainer.export_manifest(self.fused, changed_only=True)
+        self.manifest = [TensorSpec(*spec) for spec in manifest]
         if self.sender is not None:  # engines died or came back: the old group goes
             self.sender.close()
         self.sender = (BucketSender if command.colocated else WeightSender)(
@@ -165,9 +187,10 @@ class TrainerWorker:
         self.sender.connect(command.seconds_left)
 
     def send(self, command: SendWeights) -> dict[str, Any] | None:
-        """Export this stage's weights (all of DP replica 0 gathers TP); the source streams them
-        into the update session the controller opened."""
-        named = self.trainer.export_hf_weights(self.fused)
+        """Export this stage's weights (all of DP replica 0 gathers TP; a LoRA policy's targeted
+        weights only, merged); the source streams them into the update session the controller
+        opened."""
+        named = self.trainer.export_hf_weights(self.fused, changed_only=True)
         if self.sender is None:
             for _ in named:  # take part in the TP gathers
                 pass
@@ -201,13 +224,11 @@ class EngineWorker:
         colocated: bool = False,
         node_rank: int = 0,
         rendezvous: str | None = None,
+        policy_adapter: LoraConfig | None = None,
     ) -> None:
         self.engine, self.node_rank, self.rendezvous = engine, node_rank, rendezvous
         local_ranks = len(engine.ranks) // len(engine.nodes)  # whole nodes when it spans
-        # The backups of a released static model live in a directory this worker owns and
-        # removes when the engine stops, whatever state the engine was stopped in.
-        self.scratch = Path(tempfile.mkdtemp(prefix="relax-memory-saver-")) if colocated else None
-        scratch_env = {platform.MEMORY_SAVER_DIR_ENV: str(self.scratch)} if self.scratch else {}
+        self.scratch, scratch_env = _memory_saver_scratch(colocated)
         self.server = SGLangServer(
             model_path=model_dir,
             device=device,
@@ -221,9 +242,11 @@ class EngineWorker:
             dist_init_addr=rendezvous,
             engine={"log_level": log_level, **section.engine}
             | _memory_saver(engine.role, colocated)
+            | _lora_serving(policy_adapter, device)
             | {"dtype": dtype},
             extra_env=scratch_env
-            | platform.thread_env(device, threads, local_ranks, len(engine.ranks)),
+            | platform.thread_env(device, threads, local_ranks, len(engine.ranks))
+            | _lora_env(policy_adapter),
         )
 
     def launch(self) -> None:
@@ -251,6 +274,36 @@ class EngineWorker:
 
 def _node_suffix(node_rank: int) -> str:
     return f"-node{node_rank}" if node_rank else ""
+
+
+def _lora_serving(lora: LoraConfig | None, device: platform.Device) -> dict[str, Any]:
+    """SGLang's LoRA serving for an engine that serves the policy as an adapter: room for two
+    versions at once (the new one loads before the old one goes)."""
+    if lora is None:
+        return {}
+    targets = [hf for hf, ours in HF_PROJECTIONS.items() if ours in lora.target_modules]
+    return {
+        "enable_lora": True,
+        "max_lora_rank": lora.rank,
+        "lora_target_modules": targets,
+        "max_loras_per_batch": 2,
+        "lora_backend": platform.lora_backend(device),
+    }
+
+
+def _lora_env(lora: LoraConfig | None) -> dict[str, str]:
+    """The engine's plugin serves the policy adapter by default (``inference/policy_adapter``)."""
+    return {POLICY_ADAPTER_ENV: "1"} if lora is not None else {}
+
+
+def _memory_saver_scratch(colocated: bool) -> tuple[Path | None, dict[str, str]]:
+    """A colocated engine's directory for the backups of a released static model, and the
+    engine's environment naming it: the worker owns it and removes it when the engine stops,
+    whatever state the engine was stopped in."""
+    if not colocated:
+        return None, {}
+    scratch = Path(tempfile.mkdtemp(prefix="relax-memory-saver-"))
+    return scratch, {platform.MEMORY_SAVER_DIR_ENV: str(scratch)}
 
 
 def _memory_saver(role: str, colocated: bool) -> dict[str, bool]:

@@ -4,9 +4,62 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from relax_launch.config.section import Section
+
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+# Hugging Face projections -> the trainer's fused linear that holds them
+HF_PROJECTIONS = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+
+
+class LoraConfig(Section):
+    """Low-rank adapters: the base weights stay frozen, each targeted linear learns W + scale·BA
+    (scale = alpha / rank)."""
+
+    rank: int = Field(ge=1, description="Adapter rank r.")
+    alpha: float | None = Field(
+        None, gt=0, description="Scale numerator: the update is (alpha / rank)·BA. Unset: rank."
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapter's input while training."
+    )
+    engines: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="How the rollout engines hold the policy. 'merged': the base weights with "
+        "the adapters merged in, each sync sending the targeted weights (W + scale·BA), in place. "
+        "'adapter': SGLang's LoRA serving, the base model plus each version's adapter loaded "
+        "from the run directory (decoupled placement only).",
+    )
+    target_modules: tuple[LoraTarget, ...] = Field(
+        ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+        min_length=1,
+        description="The trainer's linears that get an adapter: linear_qkv (q/k/v), linear_proj "
+        "(o_proj), linear_fc1 (gate/up), linear_fc2 (down_proj).",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _known_targets(cls, value: object) -> object:
+        for name in value if isinstance(value, list | tuple) else ():
+            if name in HF_PROJECTIONS:
+                raise ValueError(
+                    f"'{name}' is fused into the trainer's {HF_PROJECTIONS[name]}: target "
+                    f"{HF_PROJECTIONS[name]} (its adapter is exported as {name}'s)"
+                )
+        return value
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha or self.rank) / self.rank
 
 
 class TrainerConfig(Section):
@@ -31,3 +84,8 @@ class TrainerConfig(Section):
         "bfloat16", description="Parameter and compute dtype."
     )
     seed: int = Field(1234, description="Seed of initialisation and dropout.")
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train low-rank adapters instead of every weight (the engines get the merged "
+        "weights, only the targeted ones each sync).",
+    )

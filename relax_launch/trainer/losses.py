@@ -18,7 +18,7 @@ import torch
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: far past any clip, still finite in fp32 and bf16
 KL_LIMIT = 10.0  # the k3 estimate's cap (as verl's low_var_kl), so one token cannot dominate
 # Token sums the trainer reduces with a max over micro-batches and ranks (the others add up).
-MAX_REDUCED = ("is_ratio_max",)
+MAX_REDUCED = ("is_ratio_max", "logprob_diff_max")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,8 @@ def policy_loss(
 
     The token sums ("tokens", "clipped", "approx_kl" = engine - trainer, "mismatch_kl" = k3 of
     KL(engine || trainer), "kl_ref", and with a correction "is_cut") divided by "tokens" are the
-    batch's diagnostics; "is_ratio_max" is the largest importance ratio (reduced by max).
+    batch's diagnostics; "is_ratio_max" is the largest importance ratio and "logprob_diff_max"
+    the largest |trainer - engine| logprob (both reduced by max).
     """
     base = old_logprobs if spec.correction == "none" else logprobs.detach()
     ratio = policy_ratio(logprobs, base, mask, spec.ratio)
@@ -157,6 +158,10 @@ def policy_loss(
             "clipped": aggregate(((ratio - clipped).abs() > 1e-12).float(), mask, "token")[0],
             "approx_kl": log_ratio(logprobs, old_logprobs, mask).sum(),
             "mismatch_kl": aggregate(reference_kl(old_logprobs, logprobs, mask), mask, "token")[0],
+            # trainer vs engine on every trained token: the sync's parity when on-policy
+            "logprob_diff_max": torch.where(
+                mask > 0, (logprobs.detach() - old_logprobs).abs(), torch.zeros_like(mask)
+            ).max(),
         }
     if spec.correction != "none":
         weights, sums["is_cut"], sums["is_ratio_max"] = correction_weights(

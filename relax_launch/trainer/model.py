@@ -18,7 +18,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from relax_launch.trainer.config import TrainerConfig
-from relax_launch.trainer.hf_conversion import ModelShape, check_checkpoint, hf_to_megatron
+from relax_launch.trainer.hf_conversion import (
+    ModelShape,
+    check_checkpoint,
+    hf_to_megatron,
+    stage_layers,
+)
+from relax_launch.trainer.lora import apply_lora, is_adapter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,6 +90,9 @@ def build_gpt(
     )
 
     model = build_gpt_module(shape, section, pgc, device, model_dir)
+    if section.lora is not None:  # before DDP, which buckets only the trainable parameters
+        offset = stage_layers(shape, pgc.pp.rank(), pgc.pp.size()).start
+        apply_lora(model, section.lora, pgc.tp, offset, section.seed)
     ddp = DistributedDataParallel(
         config=model.config,
         module=model,
@@ -163,7 +172,7 @@ def load_hf_checkpoint(module: Any, model_dir: Path, shape: ModelShape, pgc: Any
         pp_rank=pgc.pp.rank(),
         pp_size=pgc.pp.size(),
     )
-    params = dict(module.named_parameters())
+    params = {k: v for k, v in module.named_parameters() if not is_adapter(k)}
     missing = sorted(set(params) - set(shard))
     unexpected = sorted(set(shard) - set(params))
     if missing or unexpected:

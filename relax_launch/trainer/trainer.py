@@ -7,10 +7,10 @@ rank only its own), split here into micro-batches; results live on the last pipe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,9 @@ from torch.utils._pytree import tree_map
 from relax_launch import platform
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
-from relax_launch.trainer.hf_conversion import megatron_to_hf, stage_layers, tp_split_dim
+from relax_launch.trainer.hf_dir import DTYPES, write_shards
+from relax_launch.trainer.hf_export import HFExport
+from relax_launch.trainer.lora import adapters_off, is_adapter, targets_of
 from relax_launch.trainer.losses import MAX_REDUCED, LossSpec, likelihood_loss, policy_loss
 from relax_launch.trainer.model import (
     build_gpt,
@@ -33,7 +35,6 @@ from relax_launch.trainer.model import (
 )
 from relax_launch.trainer.offload import PARTS, StateOffloader
 
-GATHERS_IN_FLIGHT = 2  # TP gathers of the export started ahead of the tensor being sent
 SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
 PER_TOKEN = {  # token sums reported as per-token means, under these names
     "clipped": "clip_fraction",
@@ -48,7 +49,11 @@ class Trainer:
     """The policy on this rank: build from an HF checkpoint, then step, score and export.
 
     With ``reference`` it also keeps a frozen copy of the initial policy, which scores each
-    batch for the KL penalty (``LossSpec.kl_coef``).
+    batch for the KL penalty (``LossSpec.kl_coef``); a LoRA policy needs no copy: the initial
+    policy is itself with its adapters off.
+
+    With ``section.lora`` only the adapters train (``trainer/lora.py``); the export, and so the
+    weight sync, yields the merged weights, and checkpoints hold the adapters alone.
     """
 
     def __init__(
@@ -66,8 +71,11 @@ class Trainer:
         self.torch_device = platform.torch_device(device, int(os.environ.get("LOCAL_RANK", "0")))
         self.model = build_gpt(self.shape, section, pgc, self.torch_device, model_dir)
         load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
+        self.lora = targets_of(self.model.module)  # {weight name: linear with an adapter}
+        self.hf = HFExport(self.model.module, self.shape, pgc, self.lora)
         self.reference = None
-        if reference:
+        self.wants_reference = reference
+        if reference and not self.lora:
             self.reference = build_gpt_module(
                 self.shape, section, pgc, self.torch_device, model_dir
             )
@@ -153,8 +161,11 @@ class Trainer:
         if self.pgc.dp.rank() != 0:
             return None
         path = directory / self.shard_name
+        model = self.model.module.state_dict()
+        if self.lora:  # the frozen base is the model directory's, unchanged
+            model = {k: v for k, v in model.items() if is_adapter(k)}
         state = {
-            "model": self.model.module.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
         }
@@ -177,7 +188,7 @@ class Trainer:
                 f"pp_size than this job's ({self.pgc.tp.size()}, {self.pgc.pp.size()})"
             )
         state = torch.load(path, map_location=self.torch_device, weights_only=False)
-        self.model.module.load_state_dict(state["model"], strict=True)  # copied into the params
+        self._load_model_state(state["model"], path)
         # the optimizer keeps the loaded tensors themselves, and torch.load's storages cannot be
         # resized, which is how offloading frees one (split/defer): it gets copies of its own
         optimizer_state = tree_map(
@@ -187,14 +198,33 @@ class Trainer:
         self.step = int(state["step"])
         return self.step
 
+    def _load_model_state(self, state: dict[str, torch.Tensor], path: Path) -> None:
+        """Copy a checkpoint's model state into the parameters: all of them, or a LoRA run's
+        adapters (refusing a checkpoint of the other kind)."""
+        adapters = [k for k in state if is_adapter(k)]
+        if bool(self.lora) != (len(adapters) == len(state) > 0):
+            kinds = ("full fine-tuning", "LoRA adapters")
+            raise ValueError(
+                f"{path} holds {kinds[bool(adapters)]} but this trainer trains "
+                f"{kinds[bool(self.lora)]}: resume with the trainer.lora setting it was saved with"
+            )
+        result = self.model.module.load_state_dict(state, strict=not self.lora)
+        if result.unexpected_keys or any(is_adapter(k) for k in result.missing_keys):
+            raise ValueError(
+                f"{path} does not fit this trainer's adapters (trainer.lora.rank or "
+                f"target_modules changed?): missing {result.missing_keys[:4]}, unexpected "
+                f"{result.unexpected_keys[:4]}"
+            )
+
     @torch.no_grad()
     def logprobs(self, shard: TokenBatch) -> list[list[float]] | None:
         """Per-token logprobs of ``tokens[1:]`` for this DP rank's ``shard`` (last stage; else
-        None)."""
+        None). Dropout is off: the same batch always scores the same."""
         self.offloader.require("logprobs", ("params",))
-        outputs = self._schedule(
-            self.model, self._micro_batches(shard), forward_only=True, spec=LossSpec()
-        )
+        with evaluating(self.model) as model:
+            outputs = self._schedule(
+                model, self._micro_batches(shard), forward_only=True, spec=LossSpec()
+            )
         if not self.is_last_stage:
             return None
         rows = [row for o in outputs for row in o["logprobs"].tolist()]
@@ -203,15 +233,17 @@ class Trainer:
     def _add_reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """Score the micro-batches with the frozen initial policy; the loss reads the result
         (on the last pipeline stage, where it is computed)."""
-        if self.reference is None:
+        if not self.wants_reference:
             raise RuntimeError(
                 "kl_coef > 0 but this trainer was built without a reference model; the runtime "
                 "builds one when algorithm.kl_coef > 0"
             )
-        with torch.no_grad():
-            outputs = self._schedule(
-                self.reference, micro_batches, forward_only=True, spec=LossSpec()
-            )
+        reference = self.reference
+        with torch.no_grad(), contextlib.ExitStack() as scope:
+            if reference is None:  # LoRA: the policy with its adapters off
+                reference = scope.enter_context(evaluating(self.model))
+                scope.enter_context(adapters_off(self.lora))
+            outputs = self._schedule(reference, micro_batches, forward_only=True, spec=LossSpec())
         if self.is_last_stage:
             for micro_batch, output in zip(micro_batches, outputs, strict=True):
                 micro_batch["ref_logprobs"] = output["logprobs"]
@@ -258,69 +290,45 @@ class Trainer:
             **extra,
         )
 
-    def export_hf_weights(self, fused: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's weights under HF names, TP-gathered; yields on the stage's tp0/dp0 rank.
-
-        Every rank of data-parallel replica 0 must iterate it to the end (TP gathers); other
-        replicas yield nothing. ``fused``: q/k/v and gate/up in the engine's fused layout.
-        """
-        self.offloader.require("export_hf_weights", ("params",))  # now, not at the first next()
-        return self._export_hf_weights(fused)
-
-    def _export_hf_weights(self, fused: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.pgc.dp.rank() != 0:
-            return
-        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
-        gathering: deque[tuple[str, Any]] = deque()  # TP gathers in flight, in order
-        for name, param in self.model.module.named_parameters():
-            gathering.append((name, self._start_gather(name, param.detach())))
-            if len(gathering) > GATHERS_IN_FLIGHT:  # the next ones gather while it is sent
-                yield from self._converted(*gathering.popleft(), offset, fused)
-        while gathering:
-            yield from self._converted(*gathering.popleft(), offset, fused)
-
-    def _start_gather(self, name: str, local: torch.Tensor) -> Any:
-        """An asynchronous all-gather of a TP-sharded parameter (its shards and the pending
-        work), or the parameter itself when it is not sharded."""
-        tp, dim = self.pgc.tp, tp_split_dim(name)
-        if dim is None or tp.size() == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(tp.size())]
-        return parts, dim, dist.all_gather(parts, local.contiguous(), group=tp, async_op=True)
-
-    def _converted(
-        self, name: str, gathered: Any, offset: int, fused: bool
+    def export_hf_weights(
+        self, fused: bool = False, changed_only: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameter ``name`` in HF layout, once its gather is done (on TP rank 0 only)."""
-        tp = self.pgc.tp
-        full = gathered
-        if isinstance(gathered, tuple):
-            parts, dim, work = gathered
-            work.wait()
-            full = torch.cat(parts, dim=dim)
-        if tp.rank() == 0:
-            yield from megatron_to_hf(
-                name, full, self.shape, tp_size=tp.size(), layer_offset=offset, fused=fused
-            )
+        """This stage's weights under HF names (``HFExport.weights``: TP-gathered, LoRA merged;
+        every rank of DP replica 0 iterates it to the end)."""
+        self.offloader.require("export_hf_weights", ("params",))  # now, not at the first next()
+        return self.hf.weights(fused, changed_only)
 
-    def export_manifest(self, fused: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every tensor ``export_hf_weights(fused)`` yields, in order,
-        computed on shapes alone (meta tensors): no gather, no memory."""
-        tp_size = self.pgc.tp.size()
-        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
-        manifest = []
-        for name, param in self.model.module.named_parameters():
-            shape, dim = list(param.shape), tp_split_dim(name)
-            if dim is not None:
-                shape[dim] *= tp_size
-            full = torch.empty(shape, dtype=param.dtype, device="meta")
-            for hf_name, tensor in megatron_to_hf(
-                name, full, self.shape, tp_size=tp_size, layer_offset=offset, fused=fused
-            ):
-                manifest.append(
-                    (hf_name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-                )
-        return manifest
+    def export_manifest(
+        self, fused: bool = False, changed_only: bool = False
+    ) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor ``export_hf_weights`` yields, in order."""
+        return self.hf.manifest(fused, changed_only)
+
+    def export_adapter(self, directory: Path) -> dict[str, str]:
+        """Write this stage's LoRA adapters under PEFT's names into ``directory`` (on the
+        stage's tp0/dp0 rank); returns {name: file}. Rank 0 joins the stages' files
+        (``weights/adapter_sync.py``)."""
+        self.offloader.require("export_adapter", ("params",))
+        prefix = f"adapter-stage{self.pgc.pp.rank():03d}"
+        dtype = DTYPES[self.section.dtype]
+        return write_shards(Path(directory), prefix, self.hf.adapters(), dtype)
+
+    def export_hf(self, directory: Path, dtype: str) -> dict[str, str]:
+        """Write this stage's weights (merged, for LoRA) as safetensors shards in ``dtype`` into
+        ``directory`` (on the stage's tp0/dp0 rank; the others take part in the gathers);
+        returns {HF name: file}. ``relax_launch.trainer.hf_dir.finish`` completes the folder."""
+        prefix = f"stage{self.pgc.pp.rank():03d}"
+        return write_shards(Path(directory), prefix, self.export_hf_weights(), DTYPES[dtype])
+
+
+@contextlib.contextmanager
+def evaluating(model: Any) -> Iterator[Any]:
+    """``model`` in eval mode (no dropout) for the duration."""
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
 
 
 def step_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -37,6 +37,8 @@ import json
 import math
 from typing import Any
 
+from relax_launch.inference import policy_adapter
+
 IN_PLACE = "relax_in_place"
 RECEIVER_REPORT = "relax-launch receiver: "  # then the report, as JSON, in the reply's message
 PACK_BELOW = 1 << 16  # bytes: smaller tensors share one broadcast
@@ -49,13 +51,15 @@ EXPORTER = f"{COMPONENTS}.weight_exporter.WeightExporter"
 
 
 def register() -> None:
-    """SGLang plugin entry point: wrap the update routes (applied by SGLang's registry)."""
+    """SGLang plugin entry point: wrap the update routes (applied by SGLang's registry); in an
+    engine serving the LoRA policy as an adapter, that adapter as every request's default."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{UPDATER}.receive_weights_from_distributed", receive, HookType.AROUND)
     HookRegistry.register(f"{UPDATER}.load_weights_from_distributed", reported, HookType.AROUND)
     HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_bucket, HookType.AROUND)
     HookRegistry.register(f"{EXPORTER}.get_weights_by_name", answer_probe, HookType.AROUND)
+    policy_adapter.register()  # engines that serve a LoRA policy as an adapter only
 
 
 def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: Any) -> Any:

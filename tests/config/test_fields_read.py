@@ -58,7 +58,15 @@ READERS: dict[str, tuple[str, ...]] = {
     "eval.data": ("rl/data.py",),
     "eval.sampling": ("rl/evaluation.py",),
     "reward": ("rl/rewards.py", "rl/inputs.py"),
-    "checkpoint": ("rl/program.py", "commands/launcher.py"),
+    "checkpoint": ("rl/program.py", "commands/launcher.py", "rl/exports.py"),
+    "checkpoint.export_hf": ("rl/exports.py", "config/job.py"),
+    "trainer.lora": (
+        "trainer/lora.py",
+        "trainer/config.py",
+        "commands/export.py",
+        "runtime/engines.py",
+        "runtime/workers.py",
+    ),
     "logging": ("rl/program.py", "rl/report.py", "runtime/job.py", "runtime/engines.py"),
     "logging.wandb": ("rl/report.py",),
 }

@@ -47,6 +47,14 @@ CASES = {
     ),
     "unknown section": (["telemetry.on=true"], ["telemetry", "unknown field"]),
     "zero-rank role": (["rollout.ranks=0"], ["rollout.ranks", "at least 1"]),
+    "LoRA target named as in Hugging Face": (
+        ["trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj]"],
+        ["trainer.lora.target_modules", "fused into the trainer's linear_qkv", "target linear_qkv"],
+    ),
+    "LoRA adapter serving when colocated": (
+        [*SPLIT, "trainer.lora.rank=4", "trainer.lora.engines=adapter"],
+        ["trainer.lora.engines=adapter needs placement.mode=decoupled", "engines=merged"],
+    ),
     "teacher without a model": (
         ["teacher.ranks=1", "algorithm.distill_coef=0.1", "rollout.ranks=1"],
         ["teacher.model", "required"],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_text import total
 
@@ -90,6 +91,13 @@ def test_off_policy_job_with_kl_to_the_initial_policy(tmp_path):
     assert_calm_console(result, tmp_path, ranks=4, steps=3)
     # the default logging.level=info: the ranks log at INFO
     assert "INFO [rank 0 " in (tmp_path / "rank0.log").read_text()
+    # checkpoint.dir unset, yet the run leaves its final policy as a Hugging Face model (PP=2
+    # stages each wrote their shards), which SGLang serves
+    assert "Hugging Face export of step 3" in result.stdout
+    export = tmp_path / "hf" / "step_000003"
+    assert (export / "model.safetensors.index.json").is_file()
+    assert "rl-off-policy-kl-tiny" in (export / "README.md").read_text()
+    assert_served_as_exported(export)
 
 
 def assert_calm_console(result, log_dir: Path, ranks: int, steps: int) -> None:
@@ -98,7 +106,7 @@ def assert_calm_console(result, log_dir: Path, ranks: int, steps: int) -> None:
     lines = result.stdout.splitlines()
     progress = [x for x in lines if x.startswith("relax-launch: step ")]
     assert len(progress) == steps and progress[-1].endswith("ETA 0:00"), progress
-    assert len(lines) <= 20 + steps, result.stdout
+    assert len(lines) <= 21 + steps, result.stdout  # + the final policy's export
     assert not [x for x in lines if "warn" in x.lower() or x.startswith("[rank")], result.stdout
     assert result.stderr == ""
     assert sorted(p.name for p in log_dir.glob("rank*.log")) == [
@@ -130,7 +138,8 @@ def test_checkpoints_and_resume_continue_the_run(tmp_path):
     assert sorted(d.name for d in ckpt.iterdir()) == ["step_000002", "step_000003"]  # keep_last
     step2 = ckpt / "step_000002"
     assert sorted(f.name for f in step2.iterdir()) == [
-        "COMPLETE", "controller.json", "trainer_tp0_pp0.pt", "trainer_tp0_pp1.pt",
+        "COMPLETE", "controller.json", "model", "model.json", "trainer_tp0_pp0.pt",
+        "trainer_tp0_pp1.pt",
     ]  # fmt: skip
     # Off-policy: step 3's prompts were drawn while step 2 trained, yet the checkpoint of step
     # 2 points right after step 2's prompts, so a resume from it draws step 3's prompts again.
@@ -148,3 +157,95 @@ def test_checkpoints_and_resume_continue_the_run(tmp_path):
     assert last["kl_ref"] > 1e-4
     assert sorted(d.name for d in ckpt.iterdir()) == ["step_000003", "step_000004"]
     assert "finished 4 steps" in second.stdout
+    # each run exported its final policy while it ran (checkpoint.export_hf.at_end)
+    assert sorted(d.name for d in (tmp_path / "hf").iterdir()) == ["step_000003", "step_000004"]
+    assert "Hugging Face export of step 4" in second.stdout
+    # `relax-launch export RUN_DIR` (its newest checkpoint, PP=2 shards) writes the tensors of
+    # the export the run wrote at that step, bit for bit
+    import torch
+    from safetensors.torch import load_file
+
+    from relax_launch.commands.export import export_checkpoint
+
+    offline = export_checkpoint(tmp_path, tmp_path / "exported")
+    ours = load_file(str(offline / "model.safetensors"))
+    theirs = {}  # one file per pipeline stage
+    for path in (tmp_path / "hf" / "step_000004").glob("model-*-of-00002.safetensors"):
+        theirs.update(load_file(str(path)))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def assert_served_as_exported(export: Path) -> None:
+    """SGLang serves an exported model directory, with transformers' logprobs for it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relax_launch.inference.server import SGLangServer
+    from relax_launch.processes import group_alive
+
+    server = SGLangServer(
+        model_path=export,
+        device="cpu",
+        log_path=export.parent / "export-engine.log",
+        engine={"max_total_tokens": 1024, "random_seed": 0, "dtype": "float32"},
+    )
+    server.start(timeout_s=300)
+    try:
+        tokens = [5, 17, 42, 99, 7, 150, 23, 61]
+        body = {
+            "input_ids": tokens,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        }
+        reply = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    finally:
+        pid = server.pid
+        server.stop()
+        assert not group_alive(pid)
+    assert len(reply["output_ids"]) == 4
+    engine = torch.tensor([lp for lp, _, _ in reply["meta_info"]["input_token_logprobs"][1:]])
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits.log_softmax(-1)[0, :-1]
+    hf = logits.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    assert float((engine - hf).abs().max()) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_lora_job_trains_resumes_and_exports_its_adapter(tmp_path):
+    """LoRA on the PP=2 off-policy job with KL: the reference is the policy with its adapters off
+    (no KL at step 1), checkpoints hold the adapters, a resume continues them, and the run's
+    checkpoint exports as a PEFT adapter and, merged, as the model the run exported live."""
+    import torch
+    from safetensors.torch import load_file
+
+    from relax_launch.commands.export import export_checkpoint
+
+    config = Path(__file__).parent / "off_policy_kl_tiny.yaml"
+    ckpt = tmp_path / "ckpt"
+    common = [
+        f"logging.dir={tmp_path}", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1",
+        "trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lora.dropout=0.1",
+    ]  # fmt: skip
+    first = run_tiny(config, *common, "algorithm.num_steps=2")
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    second = run_tiny(config, *common, "algorithm.num_steps=3", "--resume")
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    assert "step 2, trainer at optimizer step 2" in second.stdout
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # B starts at zero
+    assert steps[-1]["kl_ref"] > 1e-5  # the adapters moved the policy off its base
+    # only the 2 x 4 targeted weights per stage are synced: 8 of the model's tensors in all
+    shard = torch.load(ckpt / "step_000003" / "trainer_tp0_pp1.pt", weights_only=False)
+    assert sorted({k.rsplit(".", 1)[1] for k in shard["model"]}) == ["lora_a", "lora_b"]
+    adapter = export_checkpoint(tmp_path, tmp_path / "adapter")
+    assert (adapter / "adapter_model.safetensors").is_file()
+    merged = export_checkpoint(tmp_path, tmp_path / "merged", merge_lora=True)
+    ours = load_file(str(merged / "model.safetensors"))
+    theirs = {}
+    for path in (tmp_path / "hf" / "step_000003").glob("model-*.safetensors"):
+        theirs.update(load_file(str(path)))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -87,22 +87,31 @@ def assert_no_sglang_left(tmp_path: Path) -> None:
     assert not left, f"SGLang processes left behind: {described}"
 
 
+LORA = ("trainer.lora.rank=4", "trainer.lora.alpha=8")
+ADAPTER = "trainer.lora.engines=adapter"
+
+
 @pytest.mark.parametrize(
-    "config,engines,transport,model,tensors",
+    "config,engines,transport,model,tensors,lora",
     [
         # Qwen2: 2 layers x (fused qkv weight and bias, o, fused gate_up, down, 2 norms) +
         # embeddings (tied: no lm_head) and the final norm; the trainer has TP=2.
-        ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 16),
+        ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 16, ()),
         # Qwen3: 2 layers x (fused qkv, q/k norms, o, fused gate_up, down, 2 norms) +
         # embeddings, final norm, lm_head; the trainer has DP=2.
-        ("split_2rank.yaml", 1, "bucket", "tiny-qwen3", 19),
+        ("split_2rank.yaml", 1, "bucket", "tiny-qwen3", 19, ()),
+        # LoRA on every linear, trainer TP=2: only the 2 x 4 targeted weights go, merged.
+        ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 8, LORA),
+        # LoRA served as an adapter: 2 layers x 7 projections x (A, B) in PEFT's layout
+        ("decoupled_4rank.yaml", 2, "adapter", "tiny-qwen2", 28, (*LORA, ADAPTER)),
     ],
+    ids=["decoupled-qwen2", "split-qwen3", "decoupled-qwen2-lora", "decoupled-qwen2-adapter"],
 )
 def test_train_sync_and_engines_serve_new_weights(
-    tmp_path, config, engines, transport, model, tensors
+    tmp_path, config, engines, transport, model, tensors, lora
 ):
     out = tmp_path / "report.json"
-    process, _ = start("sync", config, out, tmp_path, f"trainer.model=builtin:{model}")
+    process, _ = start("sync", config, out, tmp_path, f"trainer.model=builtin:{model}", *lora)
     code, output = finish(process, 400)
     assert code == 0, output[-4000:]
     report = json.loads(out.read_text())
@@ -122,7 +131,9 @@ def test_train_sync_and_engines_serve_new_weights(
     assert report["gateway_after_sync"]["weight_version"] == "0"
     assert report["gateway_after_sync1"]["weight_version"] == "1"
     parity = f"{report['parity_before']:.2e} / {report['parity_after']:.2e}"
-    print(f"{config} {model}: logprob parity {parity}")
+    print(f"{config} {model} {transport}: logprob parity {parity}")
+    if transport == "adapter":  # the engines read the current version; earlier ones are gone
+        assert [d.name for d in (tmp_path / "logs" / "adapters").iterdir()] == ["policy-v1"]
     assert_no_sglang_left(tmp_path)
 
 

@@ -1,0 +1,134 @@
+"""HFExport: one pipeline stage's weights under Hugging Face names, as the weight sync and the
+export read them: TP shards gathered (asynchronously, a few ahead), Megatron's fused layouts
+converted (``hf_conversion.megatron_to_hf``), a LoRA policy's adapters merged into their weights.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_launch.trainer.hf_conversion import (
+    ModelShape,
+    megatron_to_hf,
+    stage_layers,
+    tp_split_dim,
+)
+from relax_launch.trainer.lora import COLUMN, SPLIT, is_adapter, merged, peft_tensors
+
+GATHERS_IN_FLIGHT = 2  # TP gathers of the export started ahead of the tensor being sent
+
+
+class HFExport:
+    """The weights of the GPTModel ``module`` (this rank's stage and TP shard) under HF names.
+    ``lora``: {weight name: linear carrying an adapter} (``lora.targets_of``)."""
+
+    def __init__(self, module: Any, shape: ModelShape, pgc: Any, lora: dict[str, Any]) -> None:
+        self.module, self.shape, self.pgc, self.lora = module, shape, pgc, lora
+
+    def weights(self, fused: bool, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's weights, TP-gathered; yields on the stage's tp0/dp0 rank.
+
+        Every rank of data-parallel replica 0 must iterate it to the end (TP gathers); other
+        replicas yield nothing. ``fused``: q/k/v and gate/up in the engine's fused layout.
+        ``changed_only``: only what training can change (a LoRA policy's targeted weights; the
+        rest is the model directory's, which the engines loaded), for the weight sync.
+        """
+        if self.pgc.dp.rank() != 0:
+            return
+        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
+        gathering: deque[tuple[str, Any]] = deque()  # TP gathers in flight, in order
+        for name, local in self._local(changed_only):
+            gathering.append((name, self._start_gather(name, local)))
+            if len(gathering) > GATHERS_IN_FLIGHT:  # the next ones gather while it is sent
+                yield from self._converted(*gathering.popleft(), offset, fused)
+        while gathering:
+            yield from self._converted(*gathering.popleft(), offset, fused)
+
+    def manifest(self, fused: bool, changed_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor ``weights(fused, changed_only)`` yields, in
+        order, computed on shapes alone (meta tensors): no gather, no memory."""
+        tp_size = self.pgc.tp.size()
+        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
+        manifest = []
+        for name, param in self._params(changed_only):
+            shape, dim = list(param.shape), tp_split_dim(name)
+            if dim is not None:
+                shape[dim] *= tp_size
+            full = torch.empty(shape, dtype=param.dtype, device="meta")
+            for hf_name, tensor in megatron_to_hf(
+                name, full, self.shape, tp_size=tp_size, layer_offset=offset, fused=fused
+            ):
+                manifest.append(
+                    (hf_name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+                )
+        return manifest
+
+    def adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stage's LoRA adapters under PEFT's names (``lora.peft_tensors``), whole over TP;
+        yields on the stage's tp0/dp0 rank (every rank of DP replica 0 iterates to the end)."""
+        if self.pgc.dp.rank() != 0:
+            return
+        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
+        for name, linear in self.lora.items():
+            column = SPLIT[name.rsplit(".", 2)[-2]] == COLUMN
+            a = self._whole(linear.lora_a.detach(), None if column else 1)
+            b = self._whole(linear.lora_b.detach(), 0 if column else None)
+            if self.pgc.tp.rank() == 0:
+                linear_name = name.removesuffix(".weight")
+                yield from peft_tensors(linear_name, a, b, self.shape, self.pgc.tp.size(), offset)
+
+    def _whole(self, local: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """``local`` joined over the TP ranks along ``dim`` (None: it is whole already)."""
+        tp = self.pgc.tp
+        if dim is None or tp.size() == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(tp.size())]
+        dist.all_gather(parts, local.contiguous(), group=tp)
+        return torch.cat(parts, dim=dim)
+
+    def _params(self, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights the export covers: not the adapters themselves, and with
+        ``changed_only`` only the ones training changes."""
+        for name, param in self.module.named_parameters():
+            if is_adapter(name) or (changed_only and self.lora and name not in self.lora):
+                continue
+            yield name, param
+
+    def _local(self, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Megatron name, this rank's shard) of each exported weight, adapters merged."""
+        for name, param in self._params(changed_only):
+            linear = self.lora.get(name)
+            if linear is None:
+                yield name, param.detach()
+            else:
+                a, b = linear.lora_a.detach(), linear.lora_b.detach()
+                yield name, merged(param.detach(), a, b, linear.lora_adapter.scale)
+
+    def _start_gather(self, name: str, local: torch.Tensor) -> Any:
+        """An asynchronous all-gather of a TP-sharded parameter (its shards and the pending
+        work), or the parameter itself when it is not sharded."""
+        tp, dim = self.pgc.tp, tp_split_dim(name)
+        if dim is None or tp.size() == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(tp.size())]
+        return parts, dim, dist.all_gather(parts, local.contiguous(), group=tp, async_op=True)
+
+    def _converted(
+        self, name: str, gathered: Any, offset: int, fused: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameter ``name`` in HF layout, once its gather is done (on TP rank 0 only)."""
+        tp = self.pgc.tp
+        full = gathered
+        if isinstance(gathered, tuple):
+            parts, dim, work = gathered
+            work.wait()
+            full = torch.cat(parts, dim=dim)
+        if tp.rank() == 0:
+            yield from megatron_to_hf(
+                name, full, self.shape, tp_size=tp.size(), layer_offset=offset, fused=fused
+            )
