@@ -25,12 +25,12 @@ from relax_launch.console import operator_log
 from relax_launch.deadline import Deadline
 from relax_launch.inference.engine import EngineControl, EngineRequestError
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.policy_adapter import adapter_name
 from relax_launch.placement.plan import PlacementPlan, sync_rank_offsets
 from relax_launch.runtime.control import Command, RemoteError
 from relax_launch.runtime.engine_restart import RolloutMembership, engine_alive
 from relax_launch.runtime.workers import ConnectWeights, ExportAdapter, SendWeights
 from relax_launch.weights.adapter_sync import (
-    adapter_name,
     load_everywhere,
     publish,
     remove_older,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch.inference.engine import EngineControl, EngineRequestError
-from relax_launch.inference.policy_adapter import adapter_name
+from relax_launch.inference.policy_adapter import POLICY_PREFIX, adapter_name
 from relax_launch.weights.update_session import EngineTarget, WeightSyncError
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -83,6 +83,6 @@ def unload_everywhere(
 
 def remove_older(root: Path, keep: Path) -> None:
     """Adapter directories of earlier versions under ``root``: only ``keep`` stays."""
-    for directory in root.glob(adapter_name(0).removesuffix("0") + "*"):
+    for directory in root.glob(POLICY_PREFIX + "*"):
         if directory != keep:
             shutil.rmtree(directory, ignore_errors=True)
