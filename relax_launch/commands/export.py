@@ -34,6 +34,7 @@ from relax_launch.trainer.hf_dir import (
     copy_side_files,
     finish,
     model_card,
+    read_weights,
     write_shards,
 )
 from relax_launch.trainer.lora import COLUMN, SPLIT, merged, peft_config, peft_tensors
@@ -79,6 +80,7 @@ class CheckpointModel:
     pp_size: int
     dtype: str
     lora: LoraConfig | None
+    job: dict  # the config of the run that saved it
 
     @classmethod
     def open(cls, directory: Path) -> CheckpointModel:
@@ -89,7 +91,7 @@ class CheckpointModel:
                 "record its model; export it with the version that wrote it"
             )
         record = json.loads(record_path.read_text())
-        trainer = record["trainer"]
+        trainer = record["job"]["trainer"]
         config = json.loads((directory / MODEL_FILES / "config.json").read_text())
         lora = LoraConfig(**trainer["lora"]) if trainer.get("lora") else None
         model = cls(
@@ -100,6 +102,7 @@ class CheckpointModel:
             pp_size=trainer["pp_size"],
             dtype=trainer["dtype"],
             lora=lora,
+            job=record["job"],
         )
         for tp in range(model.tp_size):
             for pp in range(model.pp_size):
@@ -146,7 +149,7 @@ class CheckpointModel:
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model under Hugging Face names (LoRA merged), stage by stage."""
-        base = load_safetensors(self.model_dir) if self.lora is not None else None
+        base = load_base(self.model_dir) if self.lora is not None else None
         for pp_rank in range(self.pp_size):
             shards = self.merged_stage(pp_rank, base)
             offset = stage_layers(self.shape, pp_rank, self.pp_size).start
@@ -177,20 +180,16 @@ class CheckpointModel:
         return torch.cat([s[name] for s in shards], dim=dim)
 
 
-def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+def load_base(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The base model's tensors a LoRA checkpoint's adapters merge into."""
+    try:
+        return read_weights(model_dir)
+    except FileNotFoundError:
         raise ExportError(
             f"{model_dir}: the base model of this LoRA checkpoint is not there (a LoRA checkpoint "
             "holds only the adapters); restore the model directory or export with the adapters "
             "alone (without --merge-lora)"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        tensors.update(load_file(str(path)))
-    return tensors
+        ) from None
 
 
 def export_checkpoint(
@@ -211,11 +210,10 @@ def export_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     source = checkpoint.directory / MODEL_FILES
-    record = json.loads((checkpoint.directory / MODEL_RECORD).read_text())
     card = model_card(
-        f"{record['job'].get('name', 'relax-launch run')}, {checkpoint.directory.name}",
+        f"{checkpoint.job.get('name', 'relax-launch run')}, {checkpoint.directory.name}",
         str(checkpoint.model_dir),
-        {"Run config": record["job"]},
+        {"Run config": checkpoint.job},
     )
     if checkpoint.lora is not None and not merge_lora:
         write_adapter(checkpoint, partial, DTYPES[dtype], source, card)

@@ -45,8 +45,7 @@ class PolicyExports:
     def describe(self, checkpoint: Path) -> None:
         """Record in ``checkpoint`` what its export needs: the base model's directory and files
         (config, tokenizer) and the trainer's section (its sharding, dtype, LoRA)."""
-        record = {"model_dir": str(self.model_dir), "trainer": self.config["trainer"]}
-        record["job"] = self.config
+        record = {"model_dir": str(self.model_dir), "job": self.config}
         (checkpoint / MODEL_RECORD).write_text(json.dumps(record, indent=1))
         (checkpoint / MODEL_FILES).mkdir(exist_ok=True)
         copy_side_files(self.model_dir, checkpoint / MODEL_FILES)

@@ -24,7 +24,7 @@ from relax_launch.placement.plan import EnginePlan
 from relax_launch.runtime.control import Command, Handler
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.trainer.batch import ShardShape
-from relax_launch.trainer.config import HF_PROJECTIONS, LoraConfig
+from relax_launch.trainer.config import LoraConfig
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.colocated import BucketSender
 from relax_launch.weights.sync import TensorSpec, WeightSender
@@ -281,11 +281,10 @@ def _lora_serving(lora: LoraConfig | None, device: platform.Device) -> dict[str,
     versions at once (the new one loads before the old one goes)."""
     if lora is None:
         return {}
-    targets = [hf for hf, ours in HF_PROJECTIONS.items() if ours in lora.target_modules]
     return {
         "enable_lora": True,
         "max_lora_rank": lora.rank,
-        "lora_target_modules": targets,
+        "lora_target_modules": lora.hf_target_modules,
         "max_loras_per_batch": 2,
         "lora_backend": platform.lora_backend(device),
     }

@@ -61,6 +61,11 @@ class LoraConfig(Section):
     def scale(self) -> float:
         return (self.alpha or self.rank) / self.rank
 
+    @property
+    def hf_target_modules(self) -> list[str]:
+        """The Hugging Face projections the targeted linears hold (PEFT's and SGLang's names)."""
+        return [hf for hf, ours in HF_PROJECTIONS.items() if ours in self.target_modules]
+
 
 class TrainerConfig(Section):
     """The policy being trained, and how it is parallelised over the trainer ranks."""
@@ -86,6 +91,6 @@ class TrainerConfig(Section):
     seed: int = Field(1234, description="Seed of initialisation and dropout.")
     lora: LoraConfig | None = Field(
         None,
-        description="Train low-rank adapters instead of every weight (the engines get the merged "
-        "weights, only the targeted ones each sync).",
+        description="Train low-rank adapters instead of every weight; lora.engines says how the "
+        "rollout engines hold them.",
     )

@@ -24,6 +24,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_SIDE_FILE_BYTES = 64 * 2**20
 
 
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``; FileNotFoundError when none."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
 def write_shards(
     directory: Path,
     prefix: str,

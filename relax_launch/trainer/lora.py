@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from relax_launch.trainer.config import HF_PROJECTIONS, LoraConfig
+from relax_launch.trainer.config import LoraConfig
 from relax_launch.trainer.hf_conversion import ModelShape, megatron_to_hf
 
 COLUMN, ROW = "column", "row"
@@ -158,7 +158,6 @@ def peft_tensors(
 
 def peft_config(config: LoraConfig, base_model: str) -> dict[str, Any]:
     """PEFT's ``adapter_config.json`` for adapters of ``config`` on ``base_model``."""
-    targets = [hf for hf, ours in HF_PROJECTIONS.items() if ours in config.target_modules]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -166,7 +165,7 @@ def peft_config(config: LoraConfig, base_model: str) -> dict[str, Any]:
         "r": config.rank,
         "lora_alpha": config.alpha or config.rank,
         "lora_dropout": config.dropout,
-        "target_modules": targets,
+        "target_modules": config.hf_target_modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

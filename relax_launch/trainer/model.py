@@ -24,6 +24,7 @@ from relax_launch.trainer.hf_conversion import (
     hf_to_megatron,
     stage_layers,
 )
+from relax_launch.trainer.hf_dir import read_weights
 from relax_launch.trainer.lora import apply_lora, is_adapter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -155,11 +156,7 @@ def scaled_rope_frequencies(model_dir: Path) -> torch.Tensor:
 
 def load_hf_checkpoint(module: Any, model_dir: Path, shape: ModelShape, pgc: Any) -> None:
     """Load this rank's shard of the HF safetensors in ``model_dir`` into the bare GPTModel."""
-    from safetensors.torch import load_file
-
-    hf: dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        hf.update(load_file(str(path)))
+    hf = read_weights(model_dir)
     try:
         check_checkpoint(hf, shape)
     except ValueError as error:

@@ -109,11 +109,18 @@ def test_lora_trains_alike_at_any_tensor_parallel_size(exported):
     """Each adapter is split with its layer (A whole and B by rows on q/k/v and gate/up, A by
     columns and B whole on o and down): TP=2 starts from the same adapters as one rank and
     takes the same steps."""
+    from export_worker import SEQUENCES
+
+    from relax_launch.models.build import ensure_model
+
     tp2, dp2 = exported["llama-lora-tp2"]["logprobs"], exported["llama-lora-dp2"]["logprobs"]
+    base = hf_logprobs(load(ensure_model("builtin:tiny-llama")), SEQUENCES)
+    apart, moved = largest_difference(tp2, dp2), largest_difference(tp2, base)
+    print(f"LoRA TP=2 vs one rank: {apart:.1e}; both trained away from the base by {moved:.1e}")
     # Adam divides by the gradient's own size, so fp32 rounding of a sum in another order moves
-    # a step by ~1e-5; a wrongly split adapter moves it by ~1e-1 (the training moved it 1e-1)
-    assert largest_difference(tp2, dp2) <= 1e-4
-    assert largest_difference(tp2, exported["llama-dp2"]["logprobs"]) > 1e-2
+    # a step by ~1e-5: the bound is 1e-4, far below how far the two steps moved the policy
+    assert apart <= 1e-4
+    assert moved > 100 * 1e-4
 
 
 def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_alone(exported):
