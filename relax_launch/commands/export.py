@@ -10,6 +10,7 @@ each shard merges its adapters (``lora.merged``) before the join, as in training
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Iterator
@@ -23,8 +24,9 @@ from relax_launch.rl.exports import MODEL_FILES, MODEL_RECORD
 from relax_launch.run_dir import JOB_RECORD
 from relax_launch.trainer.config import LoraConfig
 from relax_launch.trainer.hf_conversion import (
-    ModelShape,
     hf_to_megatron,
+    is_expert,
+    local_experts,
     megatron_to_hf,
     stage_layers,
     tp_split_dim,
@@ -38,6 +40,8 @@ from relax_launch.trainer.hf_dir import (
     write_shards,
 )
 from relax_launch.trainer.lora import COLUMN, SPLIT, merged, peft_config, peft_tensors
+from relax_launch.trainer.model_shape import ModelShape
+from relax_launch.trainer.trainer import shard_name
 
 
 class ExportError(ValueError):
@@ -78,6 +82,7 @@ class CheckpointModel:
     shape: ModelShape
     tp_size: int
     pp_size: int
+    ep_size: int
     dtype: str
     lora: LoraConfig | None
     job: dict  # the config of the run that saved it
@@ -100,23 +105,27 @@ class CheckpointModel:
             shape=ModelShape.from_hf_config(config),
             tp_size=trainer["tp_size"],
             pp_size=trainer["pp_size"],
+            ep_size=trainer.get("ep_size", 1),
             dtype=trainer["dtype"],
             lora=lora,
             job=record["job"],
         )
-        for tp in range(model.tp_size):
-            for pp in range(model.pp_size):
-                if not model.shard_path(tp, pp).is_file():
-                    raise ExportError(f"{model.shard_path(tp, pp)} is missing from the checkpoint")
+        for tp, pp, ep in itertools.product(
+            range(model.tp_size), range(model.pp_size), range(model.ep_size)
+        ):
+            if not model.shard_path(tp, pp, ep).is_file():
+                raise ExportError(f"{model.shard_path(tp, pp, ep)} is missing from the checkpoint")
         return model
 
-    def shard_path(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.directory / f"trainer_tp{tp_rank}_pp{pp_rank}.pt"
+    def shard_path(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+        return self.directory / shard_name(tp_rank, pp_rank, ep_rank)
 
-    def saved(self, pp_rank: int) -> list[dict[str, torch.Tensor]]:
-        """The model state saved by each TP rank of stage ``pp_rank``."""
+    def saved(self, pp_rank: int, ep_rank: int = 0) -> list[dict[str, torch.Tensor]]:
+        """The model state saved by each TP rank of stage ``pp_rank`` (and EP rank)."""
         return [
-            torch.load(self.shard_path(tp, pp_rank), map_location="cpu", mmap=True)["model"]
+            torch.load(self.shard_path(tp, pp_rank, ep_rank), map_location="cpu", mmap=True)[
+                "model"
+            ]
             for tp in range(self.tp_size)
         ]
 
@@ -148,19 +157,27 @@ class CheckpointModel:
         return stages
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole model under Hugging Face names (LoRA merged), stage by stage."""
+        """The whole model under Hugging Face names (LoRA merged), stage by stage; the experts
+        of each EP rank from its own shards, the rest from EP rank 0's."""
         base = load_base(self.model_dir) if self.lora is not None else None
         for pp_rank in range(self.pp_size):
-            shards = self.merged_stage(pp_rank, base)
             offset = stage_layers(self.shape, pp_rank, self.pp_size).start
-            for name in (k for k in shards[0] if not k.endswith("._extra_state")):
-                yield from megatron_to_hf(
-                    name,
-                    self._joined(shards, name, tp_split_dim(name)),
-                    self.shape,
-                    tp_size=self.tp_size,
-                    layer_offset=offset,
+            for ep_rank in range(self.ep_size):
+                shards = (
+                    self.saved(pp_rank, ep_rank) if ep_rank else self.merged_stage(pp_rank, base)
                 )
+                experts = local_experts(self.shape, ep_rank, self.ep_size)
+                for name in shards[0]:
+                    if name.endswith("._extra_state") or (ep_rank and not is_expert(name)):
+                        continue
+                    yield from megatron_to_hf(
+                        name,
+                        self._joined(shards, name, tp_split_dim(name)),
+                        self.shape,
+                        tp_size=self.tp_size,
+                        layer_offset=offset,
+                        expert_offset=experts.start,
+                    )
 
     def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapters under PEFT's names (``lora.peft_tensors``), stage by stage."""

@@ -314,6 +314,13 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
                 f"algorithm.max_staleness={a.max_staleness} (fully asynchronous) needs "
                 f"{' and '.join(needed)}: change them or set algorithm.max_staleness=0."
             )
+    if a.routing_replay and (a.max_staleness or job.rollout.function):
+        problems.append(
+            "algorithm.routing_replay records the experts of each generate call; the fully "
+            "asynchronous rollout (algorithm.max_staleness) and rollout functions (rollout."
+            "function) assemble samples from several calls, which it does not follow yet: turn "
+            "one of them off."
+        )
     if a.overlong_buffer_tokens >= job.data.max_response_tokens:
         problems.append(
             f"algorithm.overlong_buffer_tokens={a.overlong_buffer_tokens} must be below "

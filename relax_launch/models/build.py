@@ -61,7 +61,11 @@ MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
+# the mixture-of-experts part of the tiny MoE models: 4 experts of 32, top-2
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def build_tiny_llama(out: Path, seed: int = 0, **config: Any) -> None:
@@ -78,6 +82,19 @@ def build_tiny_qwen2(out: Path, seed: int = 0) -> None:
 def build_tiny_qwen3(out: Path, seed: int = 0) -> None:
     """A 2-layer random Qwen3: q/k RMSNorm and a head_dim (32) that is not hidden / heads."""
     _build_tiny(out, "tiny-qwen3", seed, tie_word_embeddings=False, head_dim=32)
+
+
+def build_tiny_qwen3_moe(out: Path, seed: int = 0, **config: Any) -> None:
+    """A 2-layer random Qwen3-MoE (4 experts, top-2, normalised top-k weights, q/k norms);
+    ``config`` overrides fields (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    config = {**TINY_MOE, "norm_topk_prob": True, "head_dim": 32, **config}
+    _build_tiny(out, "tiny-qwen3-moe", seed, tie_word_embeddings=False, **config)
+
+
+def build_tiny_qwen2_moe(out: Path, seed: int = 0, **config: Any) -> None:
+    """A 2-layer random Qwen2-MoE: 4 experts, top-2, a gated shared expert, q/k/v biases."""
+    config = {**TINY_MOE, "shared_expert_intermediate_size": 48, **config}
+    _build_tiny(out, "tiny-qwen2-moe", seed, tie_word_embeddings=False, **config)
 
 
 def _build_tiny(out: Path, name: str, seed: int, **config: Any) -> None:
@@ -109,6 +126,8 @@ def _build_tiny(out: Path, name: str, seed: int, **config: Any) -> None:
             for param_name, param in model.named_parameters():
                 if param_name.endswith("bias") or "norm" in param_name:
                     param.add_(torch.randn_like(param) * 0.1)
+                if param_name.endswith("mlp.gate.weight"):  # decisive routing: no near-ties
+                    param.mul_(10)
     model.save_pretrained(out, safe_serialization=True)
     _require_architectures(out, facts.architecture)
 
@@ -199,6 +218,8 @@ BUILDERS = {
     "tiny-llama": build_tiny_llama,
     "tiny-qwen2": build_tiny_qwen2,
     "tiny-qwen3": build_tiny_qwen3,
+    "tiny-qwen3-moe": build_tiny_qwen3_moe,
+    "tiny-qwen2-moe": build_tiny_qwen2_moe,
     "smollm2-135m-instruct": build_smollm2,
     "smollm2-student": build_smollm2_student,
 }

@@ -24,6 +24,7 @@ class ModelFacts:
     num_key_value_heads: int
     vocab_size: int
     architecture: str = "LlamaForCausalLM"  # config.json's "architectures"[0]; "" when missing
+    num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
     # Why the trainer cannot convert this model (``trainable_problem``); None when it can.
     not_trainable: str | None = field(default=None, compare=False)
 
@@ -32,6 +33,14 @@ class ModelFacts:
         return bool(self.architecture)
 
 
+# the tiny random models' shape (models/build.py), 2 layers of hidden size 64
+TINY = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+}
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": ModelFacts(
         num_layers=30,
@@ -48,35 +57,25 @@ BUILTIN_MODELS = {
         num_key_value_heads=3,
         vocab_size=49152,
     ),
-    "tiny-llama": ModelFacts(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
-    ),
+    "tiny-llama": ModelFacts(**TINY),
     # Qwen2.5's shape in miniature: q/k/v biases, tied embeddings.
-    "tiny-qwen2": ModelFacts(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
-        architecture="Qwen2ForCausalLM",
-    ),
+    "tiny-qwen2": ModelFacts(**TINY, architecture="Qwen2ForCausalLM"),
     # Qwen3's: q/k RMSNorm, no biases, head_dim (32) != hidden_size / heads (16).
-    "tiny-qwen3": ModelFacts(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
-        architecture="Qwen3ForCausalLM",
-    ),
+    "tiny-qwen3": ModelFacts(**TINY, architecture="Qwen3ForCausalLM"),
+    # Qwen3-MoE's: 4 routed experts, top-2, normalised top-k weights, q/k norms.
+    "tiny-qwen3-moe": ModelFacts(**TINY, architecture="Qwen3MoeForCausalLM", num_experts=4),
+    # Qwen2-MoE's (Qwen1.5-MoE): 4 routed experts, top-2, a gated shared expert, q/k/v biases.
+    "tiny-qwen2-moe": ModelFacts(**TINY, architecture="Qwen2MoeForCausalLM", num_experts=4),
 }
 # What the trainer converts to Megatron-core and syncs back (trainer/hf_conversion.py); engines
 # that only serve (teacher, genrm) take any architecture SGLang runs.
-TRAINABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TRAINABLE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 # RoPE variants that change only the rotary frequencies (trainer/model.py applies them).
 TRAINABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -114,6 +113,7 @@ def model_facts(ref: str) -> ModelFacts | None:
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         vocab_size=cfg.get("vocab_size", 0),
         architecture=(cfg.get("architectures") or [""])[0],
+        num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
         not_trainable=trainable_problem(cfg),
     )
 

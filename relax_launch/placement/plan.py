@@ -21,6 +21,7 @@ class RoleAssignment:
     tp_rank: int | None = None
     pp_rank: int | None = None
     dp_rank: int | None = None
+    ep_rank: int | None = None  # with expert parallelism only
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,20 @@ class EnginePlan:
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """Megatron's grid over the trainer ranks (tp fastest, then dp, then pp)."""
+    """Megatron's grid over the trainer ranks (tp fastest, then dp, then pp).
+
+    Expert parallelism splits each data-parallel group's ranks: a MoE layer's experts are
+    divided over ``ep_size`` consecutive DP ranks (EP rank = DP rank mod ep_size), which the
+    experts' own data parallelism (DP rank // ep_size) then replicates.
+    """
 
     ranks: tuple[int, ...]
     tp_size: int
     pp_size: int
     dp_size: int
     phase: str
+    ep_size: int = 1
+    num_experts: int = 0  # routed experts per MoE layer (0: dense, or not known when planned)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global trainer rank."""
@@ -69,14 +77,24 @@ class TrainerLayout:
             local // (self.tp_size * self.dp_size),
         )
 
-    def pp_stage_source(self, pp_rank: int) -> int:
-        """The global rank (tp 0, dp 0) that sends pipeline stage ``pp_rank``'s weights."""
-        return self.ranks[pp_rank * self.tp_size * self.dp_size]
+    def pp_stage_source(self, pp_rank: int, ep_rank: int = 0) -> int:
+        """The global rank (tp 0, dp ``ep_rank``) that sends pipeline stage ``pp_rank``'s weights
+        (with expert parallelism: EP rank ``ep_rank``'s experts, and with EP rank 0 the rest)."""
+        return self.ranks[(pp_rank * self.dp_size + ep_rank) * self.tp_size]
+
+    def ep_rank(self, rank: int) -> int:
+        return self.coordinates(rank)[1] % self.ep_size
+
+    def exports(self, rank: int) -> bool:
+        """Whether ``rank`` takes part in exporting the weights (TP gathers): the first
+        replica of each expert-parallel rank's experts (DP rank < ep_size)."""
+        return self.coordinates(rank)[1] < self.ep_size
 
 
 @dataclass(frozen=True)
 class WeightSyncGroup:
-    """One broadcast group: a pipeline stage's source rank plus every rollout engine worker.
+    """One broadcast group: a pipeline stage's source rank (one per expert-parallel rank) plus
+    every rollout engine worker.
 
     SGLang workers join at ``rank_offset`` (source is rank 0 of the group), one offset per
     engine, as ``init_weights_update_group`` expects.
@@ -86,6 +104,7 @@ class WeightSyncGroup:
     source_rank: int
     engine_rank_offsets: tuple[tuple[int, int], ...]
     world_size: int
+    ep_rank: int = 0  # with expert parallelism, each EP rank sends its own experts
 
 
 def sync_rank_offsets(

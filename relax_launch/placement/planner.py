@@ -10,6 +10,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from relax_launch.config.errors import ConfigError
+from relax_launch.models.registry import model_facts
 from relax_launch.placement.plan import (
     EnginePlan,
     PlacementPlan,
@@ -124,13 +125,24 @@ def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
             f"cluster.nproc_per_node={per_node}, and pp_size or data parallelism across nodes.",
             ("trainer.tp_size", "cluster.nproc_per_node"),
         )
+    dp_size = num // (cfg.tp_size * cfg.pp_size)
+    if dp_size % cfg.ep_size:
+        raise ConfigError(
+            f"trainer.ep_size={cfg.ep_size} must divide the trainer's data-parallel size "
+            f"{dp_size} ({num} ranks / tp_size {cfg.tp_size} / pp_size {cfg.pp_size}): experts "
+            "are split over data-parallel ranks. Choose an ep_size dividing it, or more ranks.",
+            ("trainer.ep_size", "trainer.ranks"),
+        )
     phase = "resident" if job.placement.mode == "decoupled" else "train"
+    facts = model_facts(cfg.model)
     return TrainerLayout(
         ranks=tuple(range(num)),
         tp_size=cfg.tp_size,
         pp_size=cfg.pp_size,
-        dp_size=num // (cfg.tp_size * cfg.pp_size),
+        dp_size=dp_size,
         phase=phase,
+        ep_size=cfg.ep_size,
+        num_experts=facts.num_experts if facts is not None else 0,
     )
 
 
@@ -226,8 +238,11 @@ def _rank_plans(
     assignments: list[list[RoleAssignment]] = [[] for _ in range(world)]
     for rank in trainer.ranks:
         tp, dp, pp = trainer.coordinates(rank)
+        ep = trainer.ep_rank(rank) if trainer.ep_size > 1 else None
         assignments[rank].append(
-            RoleAssignment(role="trainer", phase=trainer.phase, tp_rank=tp, pp_rank=pp, dp_rank=dp)
+            RoleAssignment(
+                role="trainer", phase=trainer.phase, tp_rank=tp, pp_rank=pp, dp_rank=dp, ep_rank=ep
+            )
         )
     for engine in engines:
         for engine_rank, rank in enumerate(engine.ranks):
@@ -253,9 +268,11 @@ def _weight_sync_groups(
     return tuple(
         WeightSyncGroup(
             pp_rank=pp,
-            source_rank=trainer.pp_stage_source(pp),
+            source_rank=trainer.pp_stage_source(pp, ep),
             engine_rank_offsets=offsets,
             world_size=world_size,
+            ep_rank=ep,
         )
         for pp in range(trainer.pp_size)
+        for ep in range(trainer.ep_size)
     )

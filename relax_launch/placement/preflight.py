@@ -103,6 +103,43 @@ def _check_trainer_fits(job: JobConfig, facts: ModelFacts | None) -> None:
             "pp_size dividing the layer count.",
             ("trainer.pp_size",),
         )
+    _check_experts_fit(job, facts)
+
+
+def _check_experts_fit(job: JobConfig, facts: ModelFacts) -> None:
+    ep, experts = job.trainer.ep_size, facts.num_experts
+    if ep > 1 and not experts:
+        raise ConfigError(
+            f"trainer.ep_size={ep} but {job.trainer.model!r} is a dense model (no experts): set "
+            "trainer.ep_size=1, or train a mixture-of-experts model.",
+            ("trainer.ep_size",),
+        )
+    if experts % ep:
+        raise ConfigError(
+            f"trainer.ep_size={ep} must divide the model's {experts} experts: choose an ep_size "
+            "dividing it.",
+            ("trainer.ep_size",),
+        )
+    if experts and job.trainer.tp_size > 1:
+        raise ConfigError(
+            f"trainer.tp_size={job.trainer.tp_size} on {job.trainer.model!r}, a mixture-of-"
+            "experts model: Megatron trains MoE layers under tensor parallelism only with "
+            "sequence parallelism, which the trainer does not run yet. Split the experts over "
+            "ranks with trainer.ep_size instead (and tp_size=1).",
+            ("trainer.tp_size",),
+        )
+    if job.algorithm.routing_replay and not experts:
+        raise ConfigError(
+            f"algorithm.routing_replay replays the experts a mixture-of-experts model routed "
+            f"to; {job.trainer.model!r} is dense: turn it off.",
+            ("algorithm.routing_replay",),
+        )
+    if experts and job.trainer.lora is not None:
+        raise ConfigError(
+            f"trainer.lora on {job.trainer.model!r}, a mixture-of-experts model: adapters on "
+            "experts are not supported yet; train every weight (remove trainer.lora).",
+            ("trainer.lora",),
+        )
 
 
 def _check_engine_fits(

@@ -21,7 +21,8 @@ def describe(assignment: RoleAssignment) -> str:
     """One role of one rank, e.g. ``rollout[e1 head]`` or ``trainer[tp0 pp0 dp1]``."""
     a = assignment
     if a.role == "trainer":
-        return f"trainer[tp{a.tp_rank} pp{a.pp_rank} dp{a.dp_rank}]"
+        ep = f" ep{a.ep_rank}" if a.ep_rank is not None else ""
+        return f"trainer[tp{a.tp_rank} pp{a.pp_rank} dp{a.dp_rank}{ep}]"
     return f"{a.role}[e{a.engine_index} {'head' if a.is_head else f'follower{a.engine_rank}'}]"
 
 
@@ -51,7 +52,9 @@ def summary(plan: PlacementPlan) -> str:
     lines = [
         f"mode: {plan.mode}   world: {plan.nnodes} node(s) x {plan.nproc_per_node} = "
         f"{plan.world_size} ranks   plan hash: {plan.stable_hash()}",
-        f"trainer: ranks {t.ranks[0]}-{t.ranks[-1]}  tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}",
+        f"trainer: ranks {t.ranks[0]}-{t.ranks[-1]}  tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}"
+        + (f" ep={t.ep_size}" if t.ep_size > 1 else ""),
+        *expert_layout(plan),
     ]
     for e in plan.engines:
         lines.append(
@@ -60,11 +63,28 @@ def summary(plan: PlacementPlan) -> str:
         )
     lines.append("phase order: " + " -> ".join(plan.phase_order))
     for g in plan.weight_sync_groups:
+        ep = f" ep{g.ep_rank}" if t.ep_size > 1 else ""
         lines.append(
-            f"weight sync pp{g.pp_rank}: source rank {g.source_rank} -> "
+            f"weight sync pp{g.pp_rank}{ep}: source rank {g.source_rank} -> "
             f"{g.world_size - 1} rollout worker(s) in {len(g.engine_rank_offsets)} engine(s)"
         )
     return "\n".join(lines)
+
+
+def expert_layout(plan: PlacementPlan) -> list[str]:
+    """Which trainer ranks hold which experts of every MoE layer (none for a dense model)."""
+    t = plan.trainer
+    if not t.num_experts:
+        return []
+    per_rank = t.num_experts // t.ep_size
+    lines = [f"experts: {t.num_experts} per MoE layer, {per_rank} per EP rank"]
+    for ep in range(t.ep_size):
+        ranks = [r for r in t.ranks if t.ep_rank(r) == ep]
+        lines.append(
+            f"  ep{ep}: experts {ep * per_rank}-{(ep + 1) * per_rank - 1} on "
+            + f"rank{'s' * (len(ranks) > 1)} {','.join(map(str, ranks))}"
+        )
+    return lines
 
 
 @dataclass(frozen=True)

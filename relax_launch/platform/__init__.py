@@ -194,6 +194,28 @@ def pinned_memory_without_accelerator() -> None:
         pinned_memory_is_ordinary()
 
 
+def moe_engine_without_accelerator() -> None:
+    """In an SGLang engine without a GPU, torch versions of what its MoE models call on GPUs
+    only: Qwen2-MoE's shared-expert gate (a Triton kernel) and the registration of the host
+    cache that returns routed experts (cudaHostRegister). SGLang plugin part; with a GPU,
+    nothing changes."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from relax_launch.platform import cpu
+
+    replaced = {
+        "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add": cpu.gated_shared_expert_add,
+        "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul": cpu.gated_shared_expert,
+        "sglang.srt.mem_cache.pool_host.common._cuda_host_register": cpu.no_host_register,
+    }
+    for target, function in replaced.items():
+        HookRegistry.register(target, function, HookType.REPLACE)
+
+
 def lora_backend(device: Device) -> str:
     """SGLang's LoRA kernels for an engine on ``device``: its own default (Triton kernels) on a
     GPU, plain torch on the CPU (the only backend without Triton)."""

@@ -48,9 +48,47 @@ def redirect_megatron_to_cpu() -> CudaToCpu:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda *args, **kwargs: None
+    _moe_without_cuda()
     mode = CudaToCpu()
     mode.__enter__()
     return mode
+
+
+class _NoStream:
+    """A CUDA stream or event that has nothing to order: CPU work runs in program order."""
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def wait(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoStream:
+        return self
+
+
+def _moe_without_cuda() -> None:
+    """Megatron's MoE layer off the GPU: its router's gating GEMM reads Transformer Engine's
+    GEMM, unbound when TE is absent (set it to None, which selects the torch matmul), and the
+    all-to-all token dispatcher copies token counts to the host on a side stream, ordered by
+    stream waits and events, and as numpy arrays the all-to-all's split sizes (only CUDA
+    tensors are converted: CPU ones would reach the collective as tensors, which it refuses)."""
+    import contextlib
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    current = _NoStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: current
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
 
 
 PINNING_FACTORIES = (
@@ -75,3 +113,24 @@ def pinned_memory_is_ordinary() -> None:
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     for name in PINNING_FACTORIES:
         setattr(torch, name, ignoring_pin(getattr(torch, name)))
+
+
+def qwen2_moe_shared_gate(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared-expert gate, sigmoid(h·w) per token, in torch: SGLang runs it as a
+    Triton kernel whenever its CPU kernels (AMX) are absent."""
+    return torch.sigmoid(hidden @ gate_weight.reshape(-1, 1))
+
+
+def gated_shared_expert_add(
+    hidden: torch.Tensor, gate_weight: Any, shared: torch.Tensor, out: torch.Tensor
+) -> None:
+    out.add_(qwen2_moe_shared_gate(hidden, gate_weight) * shared)
+
+
+def gated_shared_expert(hidden: torch.Tensor, gate_weight: Any, shared: torch.Tensor) -> Any:
+    return qwen2_moe_shared_gate(hidden, gate_weight) * shared
+
+
+def no_host_register(buffer: Any, registration_granularity_bytes: Any = None) -> None:
+    """Without an accelerator a host buffer needs no cudaHostRegister (SGLang's capture of
+    routed experts registers its host cache)."""

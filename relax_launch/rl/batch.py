@@ -73,7 +73,9 @@ def to_batch(samples: list[Sample], distill_coef: float) -> TokenBatch:
         masks.append(tuple([0.0] * prompt_len + [float(trained) * m for m in produced]))
         weights.append(tuple([0.0] * prompt_len + per_token))
         old.append(tuple([0.0] * prompt_len + s.logprobs))
-    return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old))
+    routed = [s.routed_experts for s in samples]
+    replay = tuple(routed) if all(r is not None for r in routed) else None
+    return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old), replay)
 
 
 def sample_metrics(

@@ -5,7 +5,8 @@ Layout under ``checkpoint.dir`` (unset: the run directory's ``checkpoints/``, wr
 stop)::
 
     step_000012/trainer_tp0_pp0.pt   model + optimizer of one shard (written by its DP-0 rank;
-                                     LoRA: the adapters and their optimizer state)
+                                     LoRA: the adapters and their optimizer state; with
+                                     expert parallelism, _epE for EP ranks past 0)
     step_000012/controller.json      RL step, prompt cursor, counters (written by rank 0)
     step_000012/model.json, model/   base model, trainer section; its config and tokenizer
     step_000012/COMPLETE             written last: a directory without it is ignored

@@ -102,6 +102,9 @@ class AlgorithmConfig(Section):
         "versions old are not trained on.",
     )
 
+    routing_replay: bool = Field(
+        False, description="MoE (R3): the trainer routes each token to the engine's experts."
+    )
     max_staleness: int = Field(
         0,
         ge=0,

@@ -32,6 +32,7 @@ from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.runner import run
 from relax_launch.rl.schedules import FullyAsync, OffPolicy, Schedule, Synchronous
 from relax_launch.run_dir import JOB_RECORD
+from relax_launch.trainer.model import read_shape
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
@@ -77,6 +78,9 @@ def rl_context(
     if job.genrm is not None:
         judge = functools.partial(rollout.judge, session.engines, max_tokens=JUDGE_MAX_TOKENS)
     generator = rollout.generate
+    if job.algorithm.routing_replay:  # the engine's routing of every sample, for the trainer
+        routing = read_shape(ensure_model(job.trainer.model))
+        generator = functools.partial(rollout.generate, routing=routing)
     if job.rollout.function:  # conversations of several turns (rl/agent.py)
         function = load_rollout_function(job.rollout.function)
         generator = functools.partial(agent.generate, function=function, tokenizer=tokenizer)

@@ -9,6 +9,7 @@ its prompt's prefix cache); under ``round_robin`` the keys are ignored.
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,7 +17,10 @@ from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
 
 if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
+    import torch
+
     from relax_launch.inference.inprocess import EngineClients
+    from relax_launch.trainer.model_shape import ModelShape
 
 T = TypeVar("T")
 
@@ -46,20 +50,49 @@ def generate(
     n: int,
     temperature: float,
     max_tokens: int,
+    routing: ModelShape | None = None,
 ) -> list[Sample]:
-    """``n`` samples per (prompt, prompt token ids), in prompt order."""
+    """``n`` samples per (prompt, prompt token ids), in prompt order; with ``routing`` (the
+    policy's shape, routing replay), each with the experts its tokens were routed to."""
     sampling = {"temperature": temperature, "max_new_tokens": max_tokens}
+    body = {"return_logprob": True, "sampling_params": sampling}
+    if routing is not None:
+        body["return_routed_experts"] = True
     calls = [
-        (
-            "/generate",
-            {"input_ids": ids, "return_logprob": True, "sampling_params": sampling},
-            f"g{g}",
-        )
+        ("/generate", {"input_ids": ids, **body}, f"g{g}")
         for g, (_, ids) in enumerate(prompts)
         for _ in range(n)
     ]
     replies = _gather(engines, "rollout", calls)
-    return [reply_sample(i // n, *prompts[i // n], reply) for i, reply in enumerate(replies)]
+    samples = [reply_sample(i // n, *prompts[i // n], reply) for i, reply in enumerate(replies)]
+    if routing is not None:
+        for sample, reply in zip(samples, replies, strict=True):
+            sample.routed_experts = routed_experts(sample, reply["meta_info"], routing)
+    return samples
+
+
+def routed_experts(sample: Sample, meta: dict[str, Any], shape: ModelShape) -> torch.Tensor:
+    """The experts each MoE layer routed the sample's input tokens to (every token but the
+    last, which the engine never computed), int32 [tokens - 1, MoE layers, top-k], from the
+    engine's reply (SGLang's ``routed_experts``: base64 int32 [tokens - 1, layers, top-k])."""
+    import torch
+
+    raw = meta.get("routed_experts")
+    if raw is None:
+        raise RuntimeError(
+            "the rollout engine returned no routed experts: it was started without "
+            "--enable-return-routed-experts (algorithm.routing_replay sets it)"
+        )
+    flat = torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.int32)
+    inputs = len(sample.prompt_ids) + len(sample.response_ids) - 1
+    width = shape.num_layers * shape.moe.topk
+    if flat.numel() != inputs * width:
+        raise RuntimeError(
+            f"the rollout engine routed {flat.numel() // width} tokens of a {inputs + 1}-token "
+            "sample; routing replay needs every input token's experts"
+        )
+    every_layer = flat.view(inputs, shape.num_layers, shape.moe.topk)
+    return every_layer[:, list(shape.moe.layers)].contiguous()
 
 
 def reply_sample(group: int, prompt: Prompt, ids: list[int], reply: dict[str, Any]) -> Sample:

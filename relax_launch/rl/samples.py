@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -36,3 +37,6 @@ class Sample:
     # fully asynchronous rollout (rl/async_rollout.py): the weight version of each response
     # token (a generation interrupted by a sync continues with the new weights)
     token_versions: list[int] | None = None
+    # routing replay: the experts the engine routed each input token to, per MoE layer
+    # (int32 [prompt + response tokens - 1, MoE layers, top-k]; ``rollout.routed_experts``)
+    routed_experts: Any = None

@@ -106,6 +106,9 @@ def engine_worker(
     """This rank's process of ``engine`` (its server not started yet)."""
     section = job.inference_roles()[engine.role]
     model = job.rollout_model() if engine.role == "rollout" else section.model
+    if engine.role == "rollout" and job.algorithm.routing_replay:  # the experts it routed to
+        flags = {**section.engine, "enable_return_routed_experts": True}
+        section = section.model_copy(update={"engine": flags})
     return EngineWorker(
         engine=engine,
         section=section,

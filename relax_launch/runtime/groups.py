@@ -39,15 +39,20 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
     }
     groups = {name: grid.create_pg(dim) for name, dim in dims.items()}
     trainer_group = grid.create_pg(["tp", "cp", "dp", "pp"])
+    experts = _expert_groups(layout, backend) if layout.ep_size > 1 else None
     embedding, position_embedding = _embedding_groups(grid, backend)
     if dist.get_rank() not in layout.ranks:
         return None
     pgc = ProcessGroupCollection(**groups)
     pgc.embd, pgc.pos_embd = embedding, position_embedding
-    # A dense model has no experts: point the expert groups at their dense equivalents, or
-    # Megatron's DDP would call new_group on trainer ranks alone and hang the world.
-    pgc.ep, pgc.expt_tp, pgc.expt_dp = groups["cp"], groups["tp"], groups["dp"]
-    pgc.tp_ep, pgc.tp_ep_pp, pgc.intra_expt_dp = groups["tp"], groups["mp"], groups["dp"]
+    if experts is None:
+        # A dense model (or EP 1): the expert groups are their dense equivalents, or Megatron's
+        # DDP would call new_group on trainer ranks alone and hang the world.
+        experts = {"ep": groups["cp"], "expt_tp": groups["tp"], "expt_dp": groups["dp"]}
+        experts |= {"tp_ep": groups["tp"], "tp_ep_pp": groups["mp"]}
+    for name, group in experts.items():
+        setattr(pgc, name, group)
+    pgc.intra_expt_dp = pgc.expt_dp  # no partial distributed optimizer
     pgc.intra_dp_cp, pgc.inter_dist_opt, pgc.intra_dist_opt, pgc.hcp = (
         groups["dp_cp"],
         None,
@@ -56,6 +61,23 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
     )
     pgc.trainer = trainer_group
     return pgc
+
+
+def _expert_groups(layout: TrainerLayout, backend: str) -> dict[str, Any]:
+    """Megatron's expert groups over the same ranks: experts keep the trainer's TP, and each
+    data-parallel group splits into ``ep_size`` expert-parallel ranks (consecutive DP ranks)
+    times the experts' own data parallelism, as Megatron orders them (tp-ep-dp-pp)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    grid = HyperCommGrid(
+        [layout.tp_size, layout.ep_size, layout.dp_size // layout.ep_size, layout.pp_size],
+        ["tp", "ep", "dp", "pp"],
+        rank_offset=layout.ranks[0],
+        backend=backend,
+    )
+    dims = {"ep": "ep", "expt_tp": "tp", "expt_dp": "dp"}
+    dims |= {"tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"]}
+    return {name: grid.create_pg(dim) for name, dim in dims.items()}
 
 
 def _embedding_groups(grid: Any, backend: str) -> tuple[Any, Any]:

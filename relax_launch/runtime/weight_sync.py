@@ -106,6 +106,7 @@ class WeightSync:
         for group in groups:  # every group reaches the same engines
             command = ConnectWeights(
                 pp_rank=group.pp_rank,
+                ep_rank=group.ep_rank,
                 targets=tuple(self.sync_targets),
                 world_size=world_size,
                 fused=fused,
@@ -209,16 +210,17 @@ class WeightSync:
         ``weight_version``, within ``weight_sync.timeout_s``: one update session per engine,
         every pipeline stage streams into it with one request per engine that sets the version
         and flushes the prefix cache (``sync_weights`` keeps the engines out of routing)."""
-        replica0 = [r for r in self.plan.trainer.ranks if self.plan.trainer.coordinates(r)[1] == 0]
         deadline = sync_deadline(self.timeout_s)
         if self.adapters is not None:
+            trainer = self.plan.trainer
+            replica0 = [r for r in trainer.ranks if trainer.coordinates(r)[1] == 0]
             return [self._load_adapter(weight_version, replica0, deadline)]
         engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
         began = time.monotonic()
         try:
             engines.open()
             control_s = time.monotonic() - began
-            replies = self._send_stage_by_stage(weight_version, replica0, deadline)
+            replies = self._send_stage_by_stage(weight_version, deadline)
         except BaseException:
             with contextlib.suppress(EngineRequestError, WeightSyncError):
                 engines.close()  # on every engine it opened on; keep the sync's own error
@@ -262,17 +264,22 @@ class WeightSync:
             "receivers": (),
         }
 
-    def _send_stage_by_stage(
-        self, weight_version: int, replica0: list[int], deadline: Deadline
-    ) -> dict[int, Any]:
-        """Each pipeline stage's source ranks send their weights, one stage after the other
-        (each with the seconds left). An engine serves one update request at a time and every
-        stage's broadcast group spans every engine, so two stages sending at once could each
-        hold an engine the other one waits for; in turn, the engines take the stages in the
-        same order."""
+    def _send_stage_by_stage(self, weight_version: int, deadline: Deadline) -> dict[int, Any]:
+        """Each pipeline stage's source ranks send their weights (with expert parallelism, each
+        EP rank its experts), one group after the other (each with the seconds left). An engine
+        serves one update request at a time and every group spans every engine, so two groups
+        sending at once could each hold an engine the other one waits for; in turn, the engines
+        take the groups in the same order."""
         replies: dict[int, Any] = {}
-        for stage in range(self.plan.trainer.pp_size):
-            ranks = [r for r in replica0 if self.plan.trainer.coordinates(r)[2] == stage]
+        trainer = self.plan.trainer
+        for group in self.plan.weight_sync_groups:
+            ranks = [
+                r
+                for r in trainer.ranks
+                if trainer.exports(r)
+                and trainer.coordinates(r)[2] == group.pp_rank
+                and trainer.ep_rank(r) == group.ep_rank
+            ]
             left = deadline.left("sending")
             replies.update(
                 self._call(SendWeights(weight_version, left), ranks, left + REPLY_MARGIN_S)

@@ -94,8 +94,8 @@ class OnloadTrainer(Command):
 
 @dataclass(frozen=True)
 class ConnectWeights(Command):
-    """Form a pipeline stage's broadcast group with every rollout engine worker (see
-    ``TrainerWorker.connect``)."""
+    """Form a pipeline stage's broadcast group (one per expert-parallel rank) with every
+    rollout engine worker (see ``TrainerWorker.connect``)."""
 
     op: ClassVar[str] = "weights.connect"
     pp_rank: int
@@ -105,6 +105,7 @@ class ConnectWeights(Command):
     colocated: bool
     seconds_left: float
     generation: int = 1  # the job's n-th group of this stage: a re-formed group gets a new name
+    ep_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ class TrainerWorker:
         self.sender = (BucketSender if command.colocated else WeightSender)(
             targets=list(command.targets),
             world_size=command.world_size,
-            group_name=f"relax-weights-pp{command.pp_rank}-{command.generation}",
+            group_name=f"relax-weights-pp{command.pp_rank}-ep{command.ep_rank}-"
+            f"{command.generation}",
             host=self.host,
             port=free_port(self.host),
             backend=platform.dist_backend(self.device),
@@ -187,9 +189,9 @@ class TrainerWorker:
         self.sender.connect(command.seconds_left)
 
     def send(self, command: SendWeights) -> dict[str, Any] | None:
-        """Export this stage's weights (all of DP replica 0 gathers TP; a LoRA policy's targeted
-        weights only, merged); the source streams them into the update session the controller
-        opened."""
+        """Export this stage's weights (all of the exporting replica gathers TP; a LoRA policy's
+        targeted weights only, merged; with EP, this EP rank's experts); the source streams them
+        into the update session the controller opened."""
         named = self.trainer.export_hf_weights(self.fused, changed_only=True)
         if self.sender is None:
             for _ in named:  # take part in the TP gathers

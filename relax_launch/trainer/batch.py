@@ -2,6 +2,8 @@
 
 A batch splits into one shard per data-parallel rank (``shards``) and travels packed into two
 flat tensors (``pack``/``unpack``): what a receiver allocates for them is its ``ShardShape``.
+A mixture-of-experts policy's batch may carry the experts the rollout engine routed each token
+to (routing replay, ``trainer/moe.py``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,22 @@ import torch
 
 @dataclass(frozen=True)
 class ShardShape:
-    """The sizes of a packed batch: ``ids`` is int64 [sequences + tokens] (each sequence's
-    length, then every token id), ``values`` float32 [fields, tokens] (mask, weights and, with
-    old logprobs, those)."""
+    """The sizes of a packed batch: ``ids`` is int64 [sequences + tokens + routed] (each
+    sequence's length, every token id, then with routed experts each input token's
+    [routed_layers, topk] expert ids), ``values`` float32 [fields, tokens] (mask, weights and,
+    with old logprobs, those)."""
 
     sequences: int
     tokens: int
     old_logprobs: bool
+    routed_layers: int = 0  # MoE layers whose routing the batch carries (0: none)
+    topk: int = 0
+
+    @property
+    def routed(self) -> int:
+        """Expert ids in the batch: one [layers, topk] row per input token (all but the last
+        token of each sequence)."""
+        return (self.tokens - self.sequences) * self.routed_layers * self.topk
 
     @property
     def fields(self) -> int:
@@ -29,7 +40,9 @@ class ShardShape:
     def empty(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers a packed batch of this shape is received into."""
         return (
-            torch.empty(self.sequences + self.tokens, dtype=torch.long, device=device),
+            torch.empty(
+                self.sequences + self.tokens + self.routed, dtype=torch.long, device=device
+            ),
             torch.empty(self.fields, self.tokens, dtype=torch.float32, device=device),
         )
 
@@ -48,6 +61,9 @@ class TokenBatch:
     # Logprobs of the tokens when they were sampled; with them the loss is PPO-clip (weights are
     # then the per-token advantages), without them it is weighted next-token likelihood.
     old_logprobs: tuple[tuple[float, ...], ...] | None = None
+    # Per sequence, the experts the rollout engine routed each input token to, int
+    # [len(tokens) - 1, MoE layers, top-k] (routing replay).
+    routed_experts: tuple[torch.Tensor, ...] | None = None
 
     def __post_init__(self) -> None:
         old = self.old_logprobs or self.token_weights
@@ -81,6 +97,7 @@ class TokenBatch:
             pick(self.loss_mask),
             pick(self.token_weights),
             pick(self.old_logprobs),
+            pick(self.routed_experts),
         )
 
     def shards(self, count: int) -> list[TokenBatch]:
@@ -93,14 +110,17 @@ class TokenBatch:
         return [self.select(range(i * size, (i + 1) * size)) for i in range(count)]
 
     def shape(self) -> ShardShape:
+        routed = self.routed_experts[0].shape[1:] if self.routed_experts else (0, 0)
         return ShardShape(
-            len(self), sum(len(t) for t in self.tokens), self.old_logprobs is not None
+            len(self), sum(len(t) for t in self.tokens), self.old_logprobs is not None, *routed
         )
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch as two flat tensors, no padding (see ``ShardShape``)."""
         lengths = [len(t) for t in self.tokens]
         ids = torch.tensor(list(chain(lengths, *self.tokens)), dtype=torch.long)
+        if self.routed_experts:
+            ids = torch.cat([ids, *(r.reshape(-1).long() for r in self.routed_experts)])
         fields = [self.loss_mask, self.token_weights]
         if self.old_logprobs is not None:
             fields.append(self.old_logprobs)
@@ -110,7 +130,7 @@ class TokenBatch:
     @classmethod
     def unpack(cls, ids: torch.Tensor, values: torch.Tensor, shape: ShardShape) -> TokenBatch:
         """The batch ``pack`` made, from its two tensors (on any device)."""
-        flat_ids = ids.tolist()
+        flat_ids = ids[: shape.sequences + shape.tokens].tolist()
         spans = list(pairwise(accumulate(flat_ids[: shape.sequences], initial=0)))
 
         def rows(flat: list) -> tuple[tuple, ...]:
@@ -118,7 +138,17 @@ class TokenBatch:
 
         fields = [rows(v) for v in values.tolist()]
         old = fields[2] if shape.old_logprobs else None
-        return cls(rows(flat_ids[shape.sequences :]), fields[0], fields[1], old)
+        tokens_end = shape.sequences + shape.tokens
+        routed = None
+        if shape.routed:
+            per_token = shape.routed_layers * shape.topk
+            inputs = [end - start - 1 for start, end in spans]
+            flat = ids[tokens_end:].cpu().split([n * per_token for n in inputs])
+            routed = tuple(
+                r.view(n, shape.routed_layers, shape.topk)
+                for r, n in zip(flat, inputs, strict=True)
+            )
+        return cls(rows(flat_ids[shape.sequences : tokens_end]), fields[0], fields[1], old, routed)
 
     def tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded inputs, targets, mask and weights, each [batch, longest - 1]."""
@@ -138,4 +168,17 @@ class TokenBatch:
         }
         if self.old_logprobs is not None:
             out["old_logprobs"] = pad(self.old_logprobs, 0.0, torch.float32)[:, 1:].contiguous()
+        out["valid"] = pad(tuple((1.0,) * len(t) for t in self.tokens), 0.0, torch.float32)[:, 1:]
+        if self.routed_experts:
+            out["routed_experts"] = padded_routing(self.routed_experts, longest - 1)
         return out
+
+
+def padded_routing(routed: tuple[torch.Tensor, ...], length: int) -> torch.Tensor:
+    """Each sequence's routing [inputs, layers, k], right-padded to ``length`` inputs with
+    experts 0..k-1 (padding is computed, never trained on), stacked [batch, length, layers, k]."""
+    layers, k = routed[0].shape[1:]
+    out = torch.arange(k).expand(len(routed), length, layers, k).clone()
+    for row, experts in zip(out, routed, strict=True):
+        row[: len(experts)] = experts
+    return out

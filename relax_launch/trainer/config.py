@@ -71,8 +71,9 @@ class TrainerConfig(Section):
     """The policy being trained, and how it is parallelised over the trainer ranks."""
 
     model: str = Field(
-        description="Policy model: a Hugging Face model directory (Llama, Qwen2 or Qwen3 "
-        "family), or builtin:NAME (smollm2-135m-instruct, tiny-llama, tiny-qwen2, tiny-qwen3)."
+        description="Policy model: a Hugging Face model directory (Llama, Qwen2, Qwen3, "
+        "Qwen3-MoE or Qwen2-MoE family), or builtin:NAME (smollm2-135m-instruct, tiny-llama, "
+        "tiny-qwen2, tiny-qwen3, tiny-qwen3-moe, tiny-qwen2-moe)."
     )
     ranks: int | None = Field(
         None,
@@ -81,6 +82,14 @@ class TrainerConfig(Section):
     )
     tp_size: int = Field(1, ge=1, description="Megatron tensor-parallel size.")
     pp_size: int = Field(1, ge=1, description="Megatron pipeline-parallel size.")
+    ep_size: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel size of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): "
+        "each MoE layer's experts are split over this many data-parallel ranks; it must divide "
+        "the data-parallel size and the experts. MoE models train with tp_size 1. 1 for a "
+        "dense model.",
+    )
     micro_batch_size: int = Field(1, ge=1, description="Sequences per micro-batch per DP rank.")
     lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Adam weight decay.")

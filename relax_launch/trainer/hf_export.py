@@ -1,6 +1,9 @@
 """HFExport: one pipeline stage's weights under Hugging Face names, as the weight sync and the
 export read them: TP shards gathered (asynchronously, a few ahead), Megatron's fused layouts
 converted (``hf_conversion.megatron_to_hf``), a LoRA policy's adapters merged into their weights.
+
+With expert parallelism each EP rank exports its own experts (numbered globally), and EP rank 0
+also the rest of the stage: no rank gathers every expert.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import torch
 import torch.distributed as dist
 
 from relax_launch.trainer.hf_conversion import (
-    ModelShape,
+    is_expert,
+    local_experts,
     megatron_to_hf,
     stage_layers,
     tp_split_dim,
 )
 from relax_launch.trainer.lora import COLUMN, SPLIT, is_adapter, merged, peft_tensors
+from relax_launch.trainer.model_shape import ModelShape
 
 GATHERS_IN_FLIGHT = 2  # TP gathers of the export started ahead of the tensor being sent
 
@@ -31,29 +36,43 @@ class HFExport:
         self.module, self.shape, self.pgc, self.lora = module, shape, pgc, lora
 
     def weights(self, fused: bool, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's weights, TP-gathered; yields on the stage's tp0/dp0 rank.
+        """This stage's weights, TP-gathered; yields on the stage's tp0 rank of data-parallel
+        replica 0 (with EP, of each EP rank: its experts, and on EP rank 0 the rest).
 
-        Every rank of data-parallel replica 0 must iterate it to the end (TP gathers); other
-        replicas yield nothing. ``fused``: q/k/v and gate/up in the engine's fused layout.
+        Every rank of that replica must iterate it to the end (TP gathers); other replicas
+        yield nothing. ``fused``: q/k/v, gate/up and the experts in the engine's layout.
         ``changed_only``: only what training can change (a LoRA policy's targeted weights; the
         rest is the model directory's, which the engines loaded), for the weight sync.
         """
-        if self.pgc.dp.rank() != 0:
+        if not self.exports:
             return
-        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
         gathering: deque[tuple[str, Any]] = deque()  # TP gathers in flight, in order
         for name, local in self._local(changed_only):
             gathering.append((name, self._start_gather(name, local)))
             if len(gathering) > GATHERS_IN_FLIGHT:  # the next ones gather while it is sent
-                yield from self._converted(*gathering.popleft(), offset, fused)
+                yield from self._converted(*gathering.popleft(), fused)
         while gathering:
-            yield from self._converted(*gathering.popleft(), offset, fused)
+            yield from self._converted(*gathering.popleft(), fused)
+
+    @property
+    def exports(self) -> bool:
+        """Whether this rank takes part in the export: the first replica of its experts (of
+        every weight, for a dense model)."""
+        return self.pgc.expt_dp.rank() == 0
+
+    @property
+    def _offsets(self) -> dict[str, int]:
+        """``megatron_to_hf``'s numbering of this rank's layers and experts."""
+        pp, ep = self.pgc.pp, self.pgc.ep
+        return {
+            "layer_offset": stage_layers(self.shape, pp.rank(), pp.size()).start,
+            "expert_offset": local_experts(self.shape, ep.rank(), ep.size()).start,
+        }
 
     def manifest(self, fused: bool, changed_only: bool) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every tensor ``weights(fused, changed_only)`` yields, in
         order, computed on shapes alone (meta tensors): no gather, no memory."""
         tp_size = self.pgc.tp.size()
-        offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
         manifest = []
         for name, param in self._params(changed_only):
             shape, dim = list(param.shape), tp_split_dim(name)
@@ -61,7 +80,7 @@ class HFExport:
                 shape[dim] *= tp_size
             full = torch.empty(shape, dtype=param.dtype, device="meta")
             for hf_name, tensor in megatron_to_hf(
-                name, full, self.shape, tp_size=tp_size, layer_offset=offset, fused=fused
+                name, full, self.shape, tp_size=tp_size, fused=fused, **self._offsets
             ):
                 manifest.append(
                     (hf_name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
@@ -92,10 +111,13 @@ class HFExport:
         return torch.cat(parts, dim=dim)
 
     def _params(self, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights the export covers: not the adapters themselves, and with
-        ``changed_only`` only the ones training changes."""
+        """The weights the export covers: not the adapters themselves, with ``changed_only``
+        only the ones training changes, and past EP rank 0 only this rank's experts."""
+        experts_only = self.pgc.ep.rank() > 0
         for name, param in self.module.named_parameters():
             if is_adapter(name) or (changed_only and self.lora and name not in self.lora):
+                continue
+            if experts_only and not is_expert(name):
                 continue
             yield name, param
 
@@ -119,7 +141,7 @@ class HFExport:
         return parts, dim, dist.all_gather(parts, local.contiguous(), group=tp, async_op=True)
 
     def _converted(
-        self, name: str, gathered: Any, offset: int, fused: bool
+        self, name: str, gathered: Any, fused: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameter ``name`` in HF layout, once its gather is done (on TP rank 0 only)."""
         tp = self.pgc.tp
@@ -130,5 +152,5 @@ class HFExport:
             full = torch.cat(parts, dim=dim)
         if tp.rank() == 0:
             yield from megatron_to_hf(
-                name, full, self.shape, tp_size=tp.size(), layer_offset=offset, fused=fused
+                name, full, self.shape, tp_size=tp.size(), fused=fused, **self._offsets
             )

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from relax_launch.trainer.config import LoraConfig
-from relax_launch.trainer.hf_conversion import ModelShape, megatron_to_hf
+from relax_launch.trainer.hf_conversion import megatron_to_hf
+from relax_launch.trainer.model_shape import ModelShape
 
 COLUMN, ROW = "column", "row"
 SPLIT = {"linear_qkv": COLUMN, "linear_fc1": COLUMN, "linear_proj": ROW, "linear_fc2": ROW}

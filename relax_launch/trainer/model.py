@@ -19,13 +19,13 @@ import torch.nn.functional as F
 
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import (
-    ModelShape,
     check_checkpoint,
     hf_to_megatron,
     stage_layers,
 )
 from relax_launch.trainer.hf_dir import read_weights
 from relax_launch.trainer.lora import apply_lora, is_adapter
+from relax_launch.trainer.model_shape import ModelShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -76,8 +76,39 @@ def transformer_config(shape: ModelShape, section: TrainerConfig) -> Any:
         # The 'native' fused loss takes pg_collection.tp; the unfused one reads global groups.
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
+        **(moe_config(shape, section) if shape.moe is not None else {}),
     )
     return config
+
+
+def moe_config(shape: ModelShape, section: TrainerConfig) -> dict[str, Any]:
+    """Megatron's MoE fields that compute what the Hugging Face model computes: a softmax router
+    in fp32 whose top-k weights are renormalised (``norm_topk_prob``: top-k of the logits, then
+    a softmax over them) or not (a softmax over every expert, then top-k), experts as a
+    sequence of MLPs (no grouped GEMM, which needs a GPU kernel), Qwen2-MoE's shared expert
+    behind its sigmoid gate. The load-balancing loss is off: the policy is trained by the RL
+    loss alone, and the step metrics report the balance (``trainer/moe.py``)."""
+    moe = shape.moe
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.topk,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_layer_freq": [int(shape.is_moe_layer(i)) for i in range(shape.num_layers)],
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_shared_expert_intermediate_size": moe.shared_expert_size or None,
+        "moe_shared_expert_gate": bool(moe.shared_expert_size),
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "moe_enable_routing_replay": True,  # inert until a batch brings the engine's routing
+        "expert_model_parallel_size": section.ep_size,
+        "expert_tensor_parallel_size": section.tp_size,
+    }
 
 
 def build_gpt(
@@ -116,17 +147,24 @@ def build_gpt_module(
     """The bare GPTModel of this rank's pipeline stage (no DDP), on torch ``device``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention scratch space; no collectives
         parallel_state._set_global_memory_buffer()
     config = transformer_config(shape, section)
+    if shape.moe is None:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    else:  # MoE and dense layers, per layer (moe_layer_freq), for this stage
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=pgc.pp.rank()
+        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=shape.qk_norm
-        ),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type="rope",
@@ -168,6 +206,8 @@ def load_hf_checkpoint(module: Any, model_dir: Path, shape: ModelShape, pgc: Any
         tp_size=pgc.tp.size(),
         pp_rank=pgc.pp.rank(),
         pp_size=pgc.pp.size(),
+        ep_rank=pgc.ep.rank() if shape.moe is not None else 0,
+        ep_size=pgc.ep.size() if shape.moe is not None else 1,
     )
     params = {k: v for k, v in module.named_parameters() if not is_adapter(k)}
     missing = sorted(set(params) - set(shard))

@@ -33,6 +33,7 @@ from relax_launch.trainer.model import (
     load_hf_checkpoint,
     read_shape,
 )
+from relax_launch.trainer.moe import MoeRouting
 from relax_launch.trainer.offload import PARTS, StateOffloader
 
 SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
@@ -72,6 +73,7 @@ class Trainer:
         self.model = build_gpt(self.shape, section, pgc, self.torch_device, model_dir)
         load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
         self.lora = targets_of(self.model.module)  # {weight name: linear with an adapter}
+        self.moe = MoeRouting(self.model.module, self.shape, pgc.pp) if self.shape.moe else None
         self.hf = HFExport(self.model.module, self.shape, pgc, self.lora)
         self.reference = None
         self.wants_reference = reference
@@ -81,6 +83,8 @@ class Trainer:
             )
             self.reference.load_state_dict(self.model.module.state_dict())  # no second read
             self.reference.requires_grad_(False).eval()
+            if self.moe is not None:
+                self.moe.add(self.reference)
         self.optimizer = build_optimizer(self.model, section, pgc)
         self.offloader = StateOffloader(self.model, self.optimizer, self.reference)
         self.step = 0
@@ -129,6 +133,8 @@ class Trainer:
             raise RuntimeError(f"trainer step {self.step}: optimizer skipped the update")
         self.step += 1
         metrics = {"grad_norm": float(grad_norm or 0.0)}
+        if self.moe is not None:  # every rank: the routers are spread over DP and PP ranks
+            metrics |= self.moe.monitor.metrics([self.pgc.dp, self.pgc.pp])
         if self.is_last_stage:  # the loss exists only where the logits are
             metrics.update(self._batch_metrics(outputs))
         return metrics
@@ -152,13 +158,14 @@ class Trainer:
     @property
     def shard_name(self) -> str:
         """This rank's file in a checkpoint directory (data-parallel replicas share one)."""
-        return f"trainer_tp{self.pgc.tp.rank()}_pp{self.pgc.pp.rank()}.pt"
+        return shard_name(self.pgc.tp.rank(), self.pgc.pp.rank(), self.pgc.ep.rank())
 
     def save(self, directory: Path) -> str | None:
-        """Write this shard's model and optimizer state (on DP rank 0; other replicas hold the
-        same state). Returns the file written, if any."""
+        """Write this shard's model and optimizer state (on the first data-parallel replica of
+        its experts, the other replicas holding the same state). Returns the file written, if
+        any."""
         self.offloader.require("save", ("params", "optimizer"))
-        if self.pgc.dp.rank() != 0:
+        if not self.hf.exports:
             return None
         path = directory / self.shard_name
         model = self.model.module.state_dict()
@@ -184,8 +191,9 @@ class Trainer:
         path = directory / self.shard_name
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path} is missing: the checkpoint was saved with another trainer.tp_size or "
-                f"pp_size than this job's ({self.pgc.tp.size()}, {self.pgc.pp.size()})"
+                f"{path} is missing: the checkpoint was saved with another trainer.tp_size, "
+                f"pp_size or ep_size than this job's ({self.pgc.tp.size()}, "
+                f"{self.pgc.pp.size()}, {self.pgc.ep.size()})"
             )
         state = torch.load(path, map_location=self.torch_device, weights_only=False)
         self._load_model_state(state["model"], path)
@@ -279,7 +287,9 @@ class Trainer:
 
             extra["p2p_communicator"] = P2PCommunicator(pp_group=self.pgc.pp, config=model.config)
         return get_forward_backward_func(pp_size=self.pgc.pp.size(), vp_size=None)(
-            forward_step_func=functools.partial(_forward_step, spec=spec),
+            forward_step_func=functools.partial(
+                _forward_step, spec=spec, moe=self.moe, train=not forward_only
+            ),
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),
@@ -315,10 +325,16 @@ class Trainer:
 
     def export_hf(self, directory: Path, dtype: str) -> dict[str, str]:
         """Write this stage's weights (merged, for LoRA) as safetensors shards in ``dtype`` into
-        ``directory`` (on the stage's tp0/dp0 rank; the others take part in the gathers);
+        ``directory`` (on the stage's tp0 rank of each EP rank; the others take part in the
+        gathers);
         returns {HF name: file}. ``relax_launch.trainer.hf_dir.finish`` completes the folder."""
-        prefix = f"stage{self.pgc.pp.rank():03d}"
+        prefix = f"stage{self.pgc.pp.rank():03d}-ep{self.pgc.ep.rank():03d}"
         return write_shards(Path(directory), prefix, self.export_hf_weights(), DTYPES[dtype])
+
+
+def shard_name(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    """A trainer rank's file in a checkpoint directory (EP ranks past 0 hold other experts)."""
+    return f"trainer_tp{tp_rank}_pp{pp_rank}{f'_ep{ep_rank}' if ep_rank else ''}.pt"
 
 
 @contextlib.contextmanager
@@ -362,9 +378,15 @@ def micro_batch_loss(
 
 
 def _forward_step(
-    data_iterator: Iterator[dict[str, torch.Tensor]], model: Any, spec: LossSpec
+    data_iterator: Iterator[dict[str, torch.Tensor]],
+    model: Any,
+    spec: LossSpec,
+    moe: MoeRouting | None,
+    train: bool,
 ) -> tuple[Any, Any]:
     batch = next(data_iterator)
+    if moe is not None:  # the engine's routing replayed, the training forward's observed
+        moe.prepare(model, batch, train)
     token_loss = model(*step_inputs(batch), labels=batch["targets"])  # -logprob
 
     def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

@@ -7,11 +7,13 @@ its processes) that adds one ``load_format``, ``IN_PLACE``, to two update routes
 
 - ``update_weights_from_distributed`` (a broadcast from the trainer): a tensor whose name, shape
   and dtype are those of a parameter of this engine rank (the sender uses the engine's fused
-  layout when the engine has one TP rank) is broadcast into the parameter itself: no
-  allocation, no second copy. Any other tensor (dtype conversion, an engine TP shard, a layout
-  SGLang must reshape) is received into a staging buffer kept for the next sync and handed to
-  ``load_weights`` as usual. Tensors under ``PACK_BELOW`` bytes travel together in one broadcast
-  per dtype (``broadcast_plan``) and are copied out of it.
+  layout when the engine has one TP rank), or of one slice of it (``NAME[i]``: a routed
+  expert of a MoE layer's stacked ``w13_weight``/``w2_weight``), is broadcast into the
+  parameter itself: no allocation, no second copy. Any other tensor (dtype conversion, an
+  engine TP shard, a layout SGLang must reshape or pad) is received into a staging buffer kept
+  for the next sync and handed to ``load_weights`` under its checkpoint names
+  (``checkpoint_names``). Tensors under ``PACK_BELOW`` bytes travel
+  together in one broadcast per dtype (``broadcast_plan``) and are copied out of it.
 - ``update_weights_from_tensor`` (trainer and engine on one host, ``split``/``defer``): the
   request names one bucket of the export, a CUDA tensor shared by IPC or a CPU file in
   ``/dev/shm`` (``colocated.py``); each tensor is copied out of the bucket into its parameter,
@@ -37,6 +39,7 @@ import json
 import math
 from typing import Any
 
+from relax_launch import platform
 from relax_launch.inference import policy_adapter
 
 IN_PLACE = "relax_in_place"
@@ -52,7 +55,8 @@ EXPORTER = f"{COMPONENTS}.weight_exporter.WeightExporter"
 
 def register() -> None:
     """SGLang plugin entry point: wrap the update routes (applied by SGLang's registry); in an
-    engine serving the LoRA policy as an adapter, that adapter as every request's default."""
+    engine serving the LoRA policy as an adapter, that adapter as every request's default; on
+    the CPU, what MoE models need there."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{UPDATER}.receive_weights_from_distributed", receive, HookType.AROUND)
@@ -60,6 +64,7 @@ def register() -> None:
     HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_bucket, HookType.AROUND)
     HookRegistry.register(f"{EXPORTER}.get_weights_by_name", answer_probe, HookType.AROUND)
     policy_adapter.register()  # engines that serve a LoRA policy as an adapter only
+    platform.moe_engine_without_accelerator()
 
 
 def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -114,7 +119,7 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
                 destination.copy_(piece)
                 copied += 1
     report.count(len(names), staged, copied)
-    return staged
+    return [pair for name, tensor in staged for pair in checkpoint_names(name, tensor)]
 
 
 def wait_unless_aborted(work: Any, group: Any) -> None:
@@ -169,11 +174,33 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
             destination.copy_(source, non_blocking=True)
     report.count(len(entries), staged, len(entries) - len(staged))
     if staged:
-        updater.get_model().load_weights(staged)
+        updater.get_model().load_weights(
+            [pair for name, tensor in staged for pair in checkpoint_names(name, tensor)]
+        )
     from relax_launch import platform
 
     platform.synchronize(bucket.device)  # the trainer reuses the bucket once we answer
     return True, state.finish("Success")
+
+
+def checkpoint_names(name: str, tensor: Any) -> list[tuple[str, Any]]:
+    """A tensor sent in the engine's fused layout that did not fit the parameter (the CPU
+    engine pads some sizes, e.g. a shared expert's), as the checkpoint tensors ``load_weights``
+    reads, which pads and shards them itself: a routed expert's slice ``experts.w13_weight[e]``
+    as expert e's gate and up projections, ``w2_weight[e]`` as its down projection, a
+    ``gate_up_proj`` as gate and up. Any other name as it is."""
+    stem, _, index = name.partition("[")
+    if stem.endswith("experts.w13_weight") and index:
+        prefix = f"{stem.removesuffix('w13_weight')}{index[:-1]}."
+        gate, up = tensor.chunk(2)
+        return [(prefix + "gate_proj.weight", gate), (prefix + "up_proj.weight", up)]
+    if stem.endswith("experts.w2_weight") and index:
+        return [(f"{stem.removesuffix('w2_weight')}{index[:-1]}.down_proj.weight", tensor)]
+    if name.endswith("gate_up_proj.weight"):
+        gate, up = tensor.chunk(2)
+        stem = name.removesuffix("gate_up_proj.weight")
+        return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
+    return [(name, tensor)]
 
 
 def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], dict]:
@@ -264,10 +291,22 @@ class _ReceiverState:
         )
 
     def direct(self, name: str, dtype: Any, shape: list[int]) -> Any:
-        param = self.params.get(name)
-        if param is None or param.dtype != dtype or list(param.shape) != list(shape):
+        """The storage tensor ``name`` lands in: a parameter, or ``NAME[i]`` the i-th slice of
+        one (a routed expert of a layer's stacked experts); None when none fits exactly."""
+        stacked, _, index = name.partition("[")
+        param = self.params.get(stacked)
+        if param is None or not param.data.is_contiguous():
             return None
-        return param.data if param.data.is_contiguous() else None
+        data = param.data
+        if index:
+            if not index.endswith("]") or not index[:-1].isdigit():
+                return None
+            if data.dim() == 0 or int(index[:-1]) >= data.shape[0]:
+                return None
+            data = data[int(index[:-1])]
+        if data.dtype != dtype or list(data.shape) != list(shape):
+            return None
+        return data
 
     def staging(self, name: str, dtype: Any, shape: list[int], device: Any) -> Any:
         import torch

@@ -210,3 +210,41 @@ def test_cpu_threads_share_a_nodes_cores_among_what_computes_at_once():
     defer = plan(load_config(str(REPO / "configs" / "defer_cpu.yaml")))
     ranks = len(defer.ranks)
     assert defer.cpu_threads(0, "trainer", 8, False) == 8 // ranks
+
+
+QWEN3_30B_A3B = {  # the config.json fields planning and preflight read
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+}
+
+
+def test_the_moe_example_plans_each_ep_rank_with_its_experts_and_sync_group(tmp_path):
+    import json
+
+    from relax_launch.placement import preflight
+    from relax_launch.placement.render import summary
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    config = load_config(
+        REPO / "configs" / "qwen3_30b_a3b_moe_3x8.yaml", [f"trainer.model={tmp_path}"]
+    )
+    p = plan(config)
+    assert (p.trainer.ep_size, p.trainer.dp_size, p.trainer.num_experts) == (16, 16, 128)
+    warnings = preflight(config, p, require_models=False)
+    assert not [w for w in warnings if "trainer.model" in w or "rollout.model" in w]
+    text = summary(p)
+    assert "tp=1 pp=1 dp=16 ep=16" in text
+    assert "  ep0: experts 0-7 on rank 0" in text and "  ep15: experts 120-127 on rank 15" in text
+    sources = [(g.ep_rank, g.source_rank) for g in p.weight_sync_groups]
+    assert sources == [(e, e) for e in range(16)]  # each EP rank sends its own experts
+    assert [a.ep_rank for r in p.ranks[:16] for a in r.assignments] == list(range(16))

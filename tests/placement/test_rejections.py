@@ -23,6 +23,7 @@ JUDGE = [
     "reward.sources=[{name: answer, function: 'builtin:exact_numeric'}, {name: j, genrm: true}]"
 ]
 EIGHT = ["cluster.nnodes=2"]
+MOE = "trainer.model=builtin:tiny-qwen3-moe"
 SPLIT = [
     "placement.mode=split",
     "trainer.ranks=null",
@@ -266,6 +267,30 @@ CASES = {
     "GRPO with one sample per prompt": (
         ["algorithm.n_samples_per_prompt=1"],
         ["n_samples_per_prompt", "2"],
+    ),
+    "expert parallelism of a dense model": (
+        ["trainer.ep_size=2"],
+        ["trainer.ep_size=2", "dense model", "trainer.ep_size=1"],
+    ),
+    "expert parallelism wider than data parallelism": (
+        [MOE, "trainer.ep_size=4"],
+        ["trainer.ep_size=4 must divide the trainer's data-parallel size 2"],
+    ),
+    "MoE under tensor parallelism": (
+        [MOE, "trainer.tp_size=2"],
+        ["trainer.tp_size=2", "sequence parallelism", "trainer.ep_size"],
+    ),
+    "routing replay of a dense model": (
+        ["algorithm.routing_replay=true"],
+        ["algorithm.routing_replay", "is dense"],
+    ),
+    "routing replay with a rollout function": (
+        [MOE, "algorithm.routing_replay=true", "rollout.function=tiny_agent:run"],
+        ["algorithm.routing_replay records the experts of each generate call"],
+    ),
+    "LoRA on a mixture-of-experts model": (
+        [MOE, "trainer.lora.rank=4"],
+        ["trainer.lora", "adapters on experts are not supported"],
     ),
     "bad device": (["cluster.device=tpu"], ["cluster.device", "'cpu' or 'cuda'"]),
     "bad job name": (["name=my job"], ["name", "pattern"]),

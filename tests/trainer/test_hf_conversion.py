@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from relax_launch.trainer.hf_conversion import (
-    ModelShape,
     check_checkpoint,
     fuse_for_engine,
     hf_to_megatron,
@@ -17,6 +16,7 @@ from relax_launch.trainer.hf_conversion import (
     stage_layers,
     tp_split_dim,
 )
+from relax_launch.trainer.model_shape import ModelShape
 
 SHAPE = ModelShape(
     num_layers=4,

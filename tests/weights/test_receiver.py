@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from relax_launch.inference.process import free_port
-from relax_launch.weights.receiver import IN_PLACE, receive, reported
+from relax_launch.weights.receiver import IN_PLACE, checkpoint_names, receive, reported
+from relax_launch.weights.receiver import _receiver_state as receiver_state
 from relax_launch.weights.sync import custom_group
 
 
@@ -110,3 +111,57 @@ def test_small_tensors_travel_packed_after_the_large_ones_one_broadcast_per_dtyp
     dtypes = ["float32", "float32", "bfloat16", "float32", "bfloat16"]
     shapes = [[256, 128], [64], [4], [128, 128], [32768]]  # 128 KiB, 256 B, 8 B, 64 KiB, 64 KiB
     assert broadcast_plan(dtypes, shapes) == ([0, 3, 4], {"bfloat16": [2], "float32": [1]})
+
+
+class Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.zeros(4, 128, 128))  # 64 KiB: alone
+
+
+def test_an_expert_lands_in_its_own_slice_of_the_stacked_experts():
+    """``NAME[i]`` is expert i of a stacked parameter, written in place and nowhere else; an
+    index past the experts, or a slice of the wrong shape, is staged (and load_weights would
+    refuse it) rather than written over another expert."""
+    group = custom_group("gloo", "127.0.0.1", free_port(), 1, 0, "receiver-experts", 30)
+    try:
+        model = Experts()
+        stacked = model.w13_weight
+        address = stacked.data_ptr()
+        updater = Updater(model, group)
+        names = ["w13_weight[2]", "w13_weight[4]", "w13_weight[1]"]
+        body = request(names, ["float32"] * 3, [[128, 128], [128, 128], [32, 128]])
+        staged = receive(None, updater, **body)
+        assert [name for name, _ in staged] == ["w13_weight[4]", "w13_weight[1]"]
+        assert stacked.data_ptr() == address
+        reply = reported(lambda updater, named: (True, "ok"), updater, staged)
+        assert '"in_place": 1' in reply[1] and '"moved": 0' in reply[1]
+        state = receiver_state(updater)
+        assert state.direct("w13_weight[2]", torch.float32, [128, 128]).data_ptr() == (
+            address + 2 * 128 * 128 * 4
+        )
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_fused_tensors_that_do_not_fit_go_to_load_weights_under_checkpoint_names():
+    """The CPU engine pads some sizes (a shared expert's 48 rows to 64): a fused or stacked
+    tensor that does not fit its parameter reaches load_weights as the checkpoint's tensors,
+    which it pads and shards itself (a fused name it would skip or refuse)."""
+    w13, w2 = torch.arange(8.0).view(4, 2), torch.ones(2, 2)
+    stem = "model.layers.1.mlp."
+
+    def named(name, tensor):
+        pairs = checkpoint_names(stem + name, tensor)
+        return [(n.removeprefix(stem), t.tolist()) for n, t in pairs]
+
+    assert named("experts.w13_weight[3]", w13) == [
+        ("experts.3.gate_proj.weight", w13[:2].tolist()),
+        ("experts.3.up_proj.weight", w13[2:].tolist()),
+    ]
+    assert named("experts.w2_weight[0]", w2) == [("experts.0.down_proj.weight", w2.tolist())]
+    assert [n for n, _ in named("shared_expert.gate_up_proj.weight", w13)] == [
+        "shared_expert.gate_proj.weight",
+        "shared_expert.up_proj.weight",
+    ]
+    assert named("gate.weight", w2) == [("gate.weight", w2.tolist())]

@@ -1,0 +1,156 @@
+"""The trainer's routers: routing replay and what the step metrics say about routing.
+
+Routing replay (R3): the rollout engine returns, for every token it computed, the experts each
+MoE layer routed it to; the trainer's forward then dispatches every token to those experts
+(Megatron's ``RouterReplay``, REPLAY_FORWARD), with the routing weights its own router gives
+them, so trainer and engine run the same experts and the logprob mismatch left is numerical.
+
+A micro-batch carries the engine's routing as ``routed_experts`` [batch, seq, MoE layers, top-k]
+(the MoE layers of the whole model, in order); Megatron's router sees tokens sequence-first
+([seq * batch, hidden]), so the indices are transposed to that order.
+
+The monitor watches every router of the policy in the training forward: tokens per expert, the
+load-balancing loss E·Σ f_i·P_i (1 when balanced; f_i the share of routed slots, P_i the mean
+router probability of expert i) and, where the engine's routing is known, how often the
+trainer's own choice (``routing_mismatch``) and the experts it dispatched to
+(``dispatch_mismatch``: 0 under replay) differ from the engine's, over trained tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_launch.trainer.hf_conversion import stage_layers
+from relax_launch.trainer.model_shape import ModelShape
+
+
+def routers(module: Any, shape: ModelShape, pp: Any) -> list[tuple[int, Any]]:
+    """(column of the MoE layer in ``routed_experts``, its router) for this stage's MoE
+    layers, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    found = [m for m in module.modules() if isinstance(m, TopKRouter)]
+    layers = [i for i in stage_layers(shape, pp.rank(), pp.size()) if shape.is_moe_layer(i)]
+    if len(found) != len(layers):
+        raise RuntimeError(f"stage has {len(found)} routers for {len(layers)} MoE layers")
+    return [
+        (shape.moe.layers.index(layer), router) for layer, router in zip(layers, found, strict=True)
+    ]
+
+
+def sequence_first(routed: torch.Tensor, column: int) -> torch.Tensor:
+    """One MoE layer's routing of a micro-batch, [batch, seq, ...] -> Megatron's token order."""
+    layer = routed[:, :, column]  # [batch, seq, k]
+    return layer.transpose(0, 1).reshape(-1, layer.shape[-1])
+
+
+class Replay:
+    """Dispatch each micro-batch's tokens to the engine's experts (see the module docstring)."""
+
+    def __init__(self, layers: list[tuple[int, Any]]) -> None:
+        self.layers = layers
+
+    def set(self, routed: torch.Tensor | None) -> None:
+        """Replay ``routed`` in the next forward; None: route as the router chooses."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for column, router in self.layers:
+            replay = router.router_replay
+            replay.clear_indices()
+            if routed is None:
+                replay.clear_router_replay_action()
+                continue
+            replay.set_target_indices(sequence_first(routed, column))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+class RoutingMonitor:
+    """Routing statistics of the training forward, summed over micro-batches (module doc)."""
+
+    def __init__(self, layers: list[tuple[int, Any]], num_experts: int, topk: int) -> None:
+        self.num_experts, self.topk = num_experts, topk
+        self.batch: dict[str, torch.Tensor] | None = None  # the micro-batch being computed
+        # tokens per expert, router probability sums per expert, tokens, trained tokens whose
+        # chosen / dispatched experts differ from the engine's, trained tokens compared
+        self.totals = torch.zeros(2 * num_experts + 4, dtype=torch.float64)
+        for column, router in layers:
+            router.register_forward_hook(self._observe(column))
+
+    def watch(self, batch: dict[str, torch.Tensor] | None) -> None:
+        """Count the next forward's routing, of micro-batch ``batch`` (None: do not count)."""
+        self.batch = batch
+
+    def _observe(self, column: int) -> Any:
+        def hook(router: Any, inputs: tuple, output: tuple) -> None:
+            if self.batch is not None:
+                with torch.no_grad():
+                    self.totals += self._count(router, inputs[0], output[1], column)
+
+        return hook
+
+    def _count(
+        self, router: Any, hidden: torch.Tensor, dispatched: torch.Tensor, column: int
+    ) -> torch.Tensor:
+        """One layer's routing of the micro-batch being computed, as ``totals`` adds it."""
+        batch, e = self.batch, self.num_experts
+        real = sequence_first(batch["valid"][..., None, None] > 0, 0)[:, 0]
+        logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
+        chosen = torch.zeros_like(logits, dtype=torch.bool)
+        chosen.scatter_(1, logits.topk(self.topk, dim=-1).indices, True)
+        counts = torch.zeros(2 * e + 4, dtype=torch.float64)
+        counts[:e] = dispatched[real].sum(0).double().cpu()
+        counts[e : 2 * e] = logits.softmax(-1)[real].sum(0).double().cpu()
+        counts[2 * e] = float(real.sum())
+        if "routed_experts" in batch:
+            engine = torch.zeros_like(chosen)
+            engine.scatter_(1, sequence_first(batch["routed_experts"], column).long(), True)
+            trained = sequence_first(batch["mask"][..., None, None] > 0, 0)[:, 0]
+            counts[2 * e + 1] = float((chosen != engine).any(-1)[trained].sum())
+            counts[2 * e + 2] = float((dispatched.bool() != engine).any(-1)[trained].sum())
+            counts[2 * e + 3] = float(trained.sum())
+        return counts
+
+    def metrics(self, groups: list[Any]) -> dict[str, float]:
+        """The step's routing metrics, summed over ``groups`` (data parallel, pipeline), and
+        reset for the next step. Every rank of the groups calls it."""
+        totals, self.totals = self.totals, torch.zeros_like(self.totals)
+        for group in groups:
+            dist.all_reduce(totals, group=group)
+        e = self.num_experts
+        tokens_per_expert, prob_sums, tokens = totals[:e], totals[e : 2 * e], totals[2 * e]
+        if tokens == 0:
+            return {}
+        share, mean_prob = tokens_per_expert / tokens_per_expert.sum(), prob_sums / tokens
+        metrics = {
+            "moe/load_balance_loss": float(e * (share * mean_prob).sum()),
+            "moe/load_imbalance": float(tokens_per_expert.max() / tokens_per_expert.mean()),
+        }
+        metrics |= {f"moe/expert{i}_tokens": float(n) for i, n in enumerate(tokens_per_expert)}
+        if totals[2 * e + 3] > 0:
+            metrics["moe/routing_mismatch"] = float(totals[2 * e + 1] / totals[2 * e + 3])
+            metrics["moe/dispatch_mismatch"] = float(totals[2 * e + 2] / totals[2 * e + 3])
+        return metrics
+
+
+class MoeRouting:
+    """The routers of the policy (and of its frozen reference): replay in every forward of a
+    micro-batch that carries the engine's routing, statistics in the training forward."""
+
+    def __init__(self, policy: Any, shape: ModelShape, pp: Any) -> None:
+        self.shape, self.pp = shape, pp
+        layers = routers(policy, shape, pp)
+        self.replays = {id(policy): Replay(layers)}
+        self.monitor = RoutingMonitor(layers, shape.moe.num_experts, shape.moe.topk)
+
+    def add(self, model: Any) -> None:
+        """Replay in ``model`` too (the reference model: its own routers)."""
+        self.replays[id(model)] = Replay(routers(model, self.shape, self.pp))
+
+    def prepare(self, model: Any, batch: dict[str, torch.Tensor], train: bool) -> None:
+        """Before ``model`` computes ``batch``: replay its routing if it has the engine's;
+        count it if this is the training forward."""
+        self.replays[id(getattr(model, "module", model))].set(batch.get("routed_experts"))
+        self.monitor.watch(batch if train else None)

@@ -1,0 +1,82 @@
+"""torchrun worker (two ranks): the trainer's Megatron-core MoE model against the Hugging Face
+model it was converted from, on the same token sequences (fp32, CPU), under several layouts.
+
+argv: layouts model_dir...; layouts like "1x1,2x1,1x2" (tp_size x ep_size; training with
+TP > 1 is refused for MoE, so the last one has tp_size 1). Each rank scores the
+sequences as its data-parallel shard (with EP, the ranks exchange tokens with the experts they
+route to). Then, under the last layout, routing replay with experts the router would not have
+chosen: a train step must dispatch to them (its metrics), and the logprobs must follow them.
+Prints one JSON line per rank: {"TPxEP model_dir": largest |trainer - transformers| logprob,
+"replay": {...}}.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hf_parity_worker import SEQUENCES, transformers_logprobs
+
+from relax_launch import platform
+from relax_launch.placement.plan import TrainerLayout
+from relax_launch.runtime.groups import build_trainer_groups
+from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.config import TrainerConfig
+
+
+def trainer_for(model_dir: str, tp: int, ep: int) -> object:
+    from relax_launch.trainer.trainer import Trainer
+
+    world = dist.get_world_size()
+    layout = TrainerLayout(tuple(range(world)), tp, 1, world // tp, "train", ep_size=ep)
+    pgc = build_trainer_groups(layout, platform.dist_backend("cpu"))
+    section = TrainerConfig(
+        model=model_dir, ranks=world, dtype="float32", tp_size=tp, ep_size=ep, lr=1e-6
+    )
+    return Trainer(section=section, model_dir=Path(model_dir), pgc=pgc, device="cpu")
+
+
+def replayed(trainer, batch: TokenBatch) -> dict[str, float]:
+    """Logprobs and a train step under routing replay of random experts (the router's own
+    choice only by chance): how far the logprobs moved, and the step's routing metrics."""
+    moe = trainer.shape.moe
+    generator = torch.Generator().manual_seed(7)
+    routed = tuple(
+        torch.rand(len(t) - 1, len(moe.layers), moe.num_experts, generator=generator).argsort(-1)[
+            ..., : moe.topk
+        ]
+        for t in batch.tokens
+    )
+    forced = TokenBatch(batch.tokens, batch.loss_mask, batch.token_weights, None, routed)
+    natural, replay = trainer.logprobs(batch), trainer.logprobs(forced)
+    moved = max(
+        abs(a - b) for r, s in zip(natural, replay, strict=True) for a, b in zip(r, s, strict=True)
+    )
+    metrics = trainer.train_step(forced)
+    return {"logprobs_moved": moved} | {k: v for k, v in metrics.items() if "mismatch" in k}
+
+
+def main() -> None:
+    layouts = [tuple(map(int, x.split("x"))) for x in sys.argv[1].split(",")]
+    models = sys.argv[2:]
+    dist.init_process_group(platform.dist_backend("cpu"))
+    platform.prepare_megatron("cpu")
+    batch = TokenBatch.next_token(SEQUENCES, [1] * len(SEQUENCES))
+    report = {}
+    for tp, ep in layouts:
+        for model_dir in models:
+            trainer = trainer_for(model_dir, tp, ep)
+            ours = trainer.logprobs(batch)
+            theirs = transformers_logprobs(model_dir)
+            report[f"{tp}x{ep} {model_dir}"] = max(
+                float((torch.tensor(a) - torch.tensor(b)).abs().max())
+                for a, b in zip(ours, theirs, strict=True)
+            )
+    report["replay"] = replayed(trainer, batch)
+    print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
