@@ -120,14 +120,6 @@ def _check_experts_fit(job: JobConfig, facts: ModelFacts) -> None:
             "dividing it.",
             ("trainer.ep_size",),
         )
-    if experts and job.trainer.tp_size > 1:
-        raise ConfigError(
-            f"trainer.tp_size={job.trainer.tp_size} on {job.trainer.model!r}, a mixture-of-"
-            "experts model: Megatron trains MoE layers under tensor parallelism only with "
-            "sequence parallelism, which the trainer does not run yet. Split the experts over "
-            "ranks with trainer.ep_size instead (and tp_size=1).",
-            ("trainer.tp_size",),
-        )
     if job.algorithm.routing_replay and not experts:
         raise ConfigError(
             f"algorithm.routing_replay replays the experts a mixture-of-experts model routed "

@@ -150,9 +150,10 @@ class TokenBatch:
             )
         return cls(rows(flat_ids[shape.sequences : tokens_end]), fields[0], fields[1], old, routed)
 
-    def tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
-        """Right-padded inputs, targets, mask and weights, each [batch, longest - 1]."""
-        longest = max(len(t) for t in self.tokens)
+    def tensors(self, pad_id: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
+        """Right-padded inputs, targets, mask and weights, each [batch, longest - 1], the
+        length rounded up to a ``multiple`` (sequence parallelism splits it over TP ranks)."""
+        longest = -(-(max(len(t) for t in self.tokens) - 1) // multiple) * multiple + 1
 
         def pad(
             rows: tuple[tuple[float, ...], ...], value: float, dtype: torch.dtype

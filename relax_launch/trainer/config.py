@@ -87,7 +87,8 @@ class TrainerConfig(Section):
         ge=1,
         description="Expert-parallel size of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): "
         "each MoE layer's experts are split over this many data-parallel ranks; it must divide "
-        "the data-parallel size and the experts. MoE models train with tp_size 1. 1 for a "
+        "the data-parallel size and the experts. Experts keep trainer.tp_size as their tensor "
+        "parallelism (with sequence parallelism on, as Megatron's MoE layer needs). 1 for a "
         "dense model.",
     )
     micro_batch_size: int = Field(1, ge=1, description="Sequences per micro-batch per DP rank.")

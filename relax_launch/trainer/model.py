@@ -8,6 +8,7 @@ Everything takes the trainer's ProcessGroupCollection (``runtime/groups.py``): M
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,8 @@ def moe_config(shape: ModelShape, section: TrainerConfig) -> dict[str, Any]:
         "moe_enable_routing_replay": True,  # inert until a batch brings the engine's routing
         "expert_model_parallel_size": section.ep_size,
         "expert_tensor_parallel_size": section.tp_size,
+        # Megatron trains MoE layers under TP only with the sequence split over the TP ranks
+        "sequence_parallel": section.tp_size > 1,
     }
 
 
@@ -162,6 +165,8 @@ def build_gpt_module(
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=pgc.pp.rank()
         )
+        if config.sequence_parallel:
+            spec = sequence_parallel_norms(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -177,6 +182,30 @@ def build_gpt_module(
     if shape.rope_type != "default":
         model.rotary_pos_emb.inv_freq = scaled_rope_frequencies(model_dir)
     return model.to(device)  # built on the CPU (use_cpu_initialization)
+
+
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm in a sequence-parallel layer, which Megatron's own torch norm refuses:
+    each TP rank normalises its part of the sequence, so the weight is marked for
+    ``finalize_model_grads`` to sum its gradient over the TP ranks."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = True
+        return norm
+
+
+def sequence_parallel_norms(spec: Any) -> Any:
+    """A copy of the block ``spec`` with every norm a ``SequenceParallelRMSNorm``."""
+    spec = copy.deepcopy(spec)
+    spec.layer_norm = SequenceParallelRMSNorm
+    for layer in spec.layer_specs:
+        layer.submodules.input_layernorm = SequenceParallelRMSNorm
+        layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layer.submodules.self_attention.submodules
+        if getattr(attention.q_layernorm, "__name__", "IdentityOp") != "IdentityOp":
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    return spec
 
 
 def scaled_rope_frequencies(model_dir: Path) -> torch.Tensor:

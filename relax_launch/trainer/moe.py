@@ -7,7 +7,8 @@ them, so trainer and engine run the same experts and the logprob mismatch left i
 
 A micro-batch carries the engine's routing as ``routed_experts`` [batch, seq, MoE layers, top-k]
 (the MoE layers of the whole model, in order); Megatron's router sees tokens sequence-first
-([seq * batch, hidden]), so the indices are transposed to that order.
+([seq * batch, hidden]), so the indices are transposed to that order, and under sequence
+parallelism (MoE with TP) each TP rank's router sees its part of the sequence only.
 
 The monitor watches every router of the policy in the training forward: tokens per expert, the
 load-balancing loss E·Σ f_i·P_i (1 when balanced; f_i the share of routed slots, P_i the mean
@@ -41,17 +42,22 @@ def routers(module: Any, shape: ModelShape, pp: Any) -> list[tuple[int, Any]]:
     ]
 
 
-def sequence_first(routed: torch.Tensor, column: int) -> torch.Tensor:
-    """One MoE layer's routing of a micro-batch, [batch, seq, ...] -> Megatron's token order."""
+def sequence_first(routed: torch.Tensor, column: int, part: tuple[int, int] = (0, 1)) -> Any:
+    """One MoE layer's routing of a micro-batch, [batch, seq, ...] -> Megatron's token order;
+    under sequence parallelism (``part`` = (TP rank, TP size)) this rank's part of the
+    sequence, which is what its router sees."""
     layer = routed[:, :, column]  # [batch, seq, k]
+    rank, ranks = part
+    length = layer.shape[1] // ranks
+    layer = layer[:, rank * length : (rank + 1) * length]
     return layer.transpose(0, 1).reshape(-1, layer.shape[-1])
 
 
 class Replay:
     """Dispatch each micro-batch's tokens to the engine's experts (see the module docstring)."""
 
-    def __init__(self, layers: list[tuple[int, Any]]) -> None:
-        self.layers = layers
+    def __init__(self, layers: list[tuple[int, Any]], part: tuple[int, int]) -> None:
+        self.layers, self.part = layers, part
 
     def set(self, routed: torch.Tensor | None) -> None:
         """Replay ``routed`` in the next forward; None: route as the router chooses."""
@@ -63,15 +69,17 @@ class Replay:
             if routed is None:
                 replay.clear_router_replay_action()
                 continue
-            replay.set_target_indices(sequence_first(routed, column))
+            replay.set_target_indices(sequence_first(routed, column, self.part))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 class RoutingMonitor:
     """Routing statistics of the training forward, summed over micro-batches (module doc)."""
 
-    def __init__(self, layers: list[tuple[int, Any]], num_experts: int, topk: int) -> None:
-        self.num_experts, self.topk = num_experts, topk
+    def __init__(
+        self, layers: list[tuple[int, Any]], num_experts: int, topk: int, part: tuple[int, int]
+    ) -> None:
+        self.num_experts, self.topk, self.part = num_experts, topk, part
         self.batch: dict[str, torch.Tensor] | None = None  # the micro-batch being computed
         # tokens per expert, router probability sums per expert, tokens, trained tokens whose
         # chosen / dispatched experts differ from the engine's, trained tokens compared
@@ -96,7 +104,7 @@ class RoutingMonitor:
     ) -> torch.Tensor:
         """One layer's routing of the micro-batch being computed, as ``totals`` adds it."""
         batch, e = self.batch, self.num_experts
-        real = sequence_first(batch["valid"][..., None, None] > 0, 0)[:, 0]
+        real = sequence_first(batch["valid"][..., None, None] > 0, 0, self.part)[:, 0]
         logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
         chosen = torch.zeros_like(logits, dtype=torch.bool)
         chosen.scatter_(1, logits.topk(self.topk, dim=-1).indices, True)
@@ -106,16 +114,17 @@ class RoutingMonitor:
         counts[2 * e] = float(real.sum())
         if "routed_experts" in batch:
             engine = torch.zeros_like(chosen)
-            engine.scatter_(1, sequence_first(batch["routed_experts"], column).long(), True)
-            trained = sequence_first(batch["mask"][..., None, None] > 0, 0)[:, 0]
+            routed = sequence_first(batch["routed_experts"], column, self.part)
+            engine.scatter_(1, routed.long(), True)
+            trained = sequence_first(batch["mask"][..., None, None] > 0, 0, self.part)[:, 0]
             counts[2 * e + 1] = float((chosen != engine).any(-1)[trained].sum())
             counts[2 * e + 2] = float((dispatched.bool() != engine).any(-1)[trained].sum())
             counts[2 * e + 3] = float(trained.sum())
         return counts
 
     def metrics(self, groups: list[Any]) -> dict[str, float]:
-        """The step's routing metrics, summed over ``groups`` (data parallel, pipeline), and
-        reset for the next step. Every rank of the groups calls it."""
+        """The step's routing metrics, summed over ``groups`` (data parallel, pipeline, tensor
+        parallel), and reset for the next step. Every rank of the groups calls it."""
         totals, self.totals = self.totals, torch.zeros_like(self.totals)
         for group in groups:
             dist.all_reduce(totals, group=group)
@@ -139,15 +148,18 @@ class MoeRouting:
     """The routers of the policy (and of its frozen reference): replay in every forward of a
     micro-batch that carries the engine's routing, statistics in the training forward."""
 
-    def __init__(self, policy: Any, shape: ModelShape, pp: Any) -> None:
-        self.shape, self.pp = shape, pp
-        layers = routers(policy, shape, pp)
-        self.replays = {id(policy): Replay(layers)}
-        self.monitor = RoutingMonitor(layers, shape.moe.num_experts, shape.moe.topk)
+    def __init__(self, policy: Any, shape: ModelShape, pgc: Any) -> None:
+        self.shape, self.pp = shape, pgc.pp
+        sequence_parallel = policy.config.sequence_parallel
+        self.part = (pgc.tp.rank(), pgc.tp.size()) if sequence_parallel else (0, 1)
+        layers = routers(policy, shape, pgc.pp)
+        self.replays = {id(policy): Replay(layers, self.part)}
+        moe = shape.moe
+        self.monitor = RoutingMonitor(layers, moe.num_experts, moe.topk, self.part)
 
     def add(self, model: Any) -> None:
         """Replay in ``model`` too (the reference model: its own routers)."""
-        self.replays[id(model)] = Replay(routers(model, self.shape, self.pp))
+        self.replays[id(model)] = Replay(routers(model, self.shape, self.pp), self.part)
 
     def prepare(self, model: Any, batch: dict[str, torch.Tensor], train: bool) -> None:
         """Before ``model`` computes ``batch``: replay its routing if it has the engine's;

@@ -73,7 +73,7 @@ class Trainer:
         self.model = build_gpt(self.shape, section, pgc, self.torch_device, model_dir)
         load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
         self.lora = targets_of(self.model.module)  # {weight name: linear with an adapter}
-        self.moe = MoeRouting(self.model.module, self.shape, pgc.pp) if self.shape.moe else None
+        self.moe = MoeRouting(self.model.module, self.shape, pgc) if self.shape.moe else None
         self.hf = HFExport(self.model.module, self.shape, pgc, self.lora)
         self.reference = None
         self.wants_reference = reference
@@ -134,7 +134,7 @@ class Trainer:
         self.step += 1
         metrics = {"grad_norm": float(grad_norm or 0.0)}
         if self.moe is not None:  # every rank: the routers are spread over DP and PP ranks
-            metrics |= self.moe.monitor.metrics([self.pgc.dp, self.pgc.pp])
+            metrics |= self.moe.monitor.metrics([self.pgc.dp, self.pgc.pp, self.pgc.tp])
         if self.is_last_stage:  # the loss exists only where the logits are
             metrics.update(self._batch_metrics(outputs))
         return metrics
@@ -191,9 +191,8 @@ class Trainer:
         path = directory / self.shard_name
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path} is missing: the checkpoint was saved with another trainer.tp_size, "
-                f"pp_size or ep_size than this job's ({self.pgc.tp.size()}, "
-                f"{self.pgc.pp.size()}, {self.pgc.ep.size()})"
+                f"{path} is missing: the checkpoint was saved with other trainer.tp_size, "
+                "pp_size or ep_size than this job's (resume with the sizes it was saved with)"
             )
         state = torch.load(path, map_location=self.torch_device, weights_only=False)
         self._load_model_state(state["model"], path)
@@ -264,7 +263,8 @@ class Trainer:
                 f"a data-parallel shard of {len(shard)} sequences does not split into "
                 f"micro_batch_size={micro}"
             )
-        tensors = {k: v.to(self.torch_device) for k, v in shard.tensors().items()}
+        multiple = self.pgc.tp.size() if self.model.config.sequence_parallel else 1
+        tensors = {k: v.to(self.torch_device) for k, v in shard.tensors(0, multiple).items()}
         return [
             {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, len(shard), micro)
         ]

@@ -276,10 +276,6 @@ CASES = {
         [MOE, "trainer.ep_size=4"],
         ["trainer.ep_size=4 must divide the trainer's data-parallel size 2"],
     ),
-    "MoE under tensor parallelism": (
-        [MOE, "trainer.tp_size=2"],
-        ["trainer.tp_size=2", "sequence parallelism", "trainer.ep_size"],
-    ),
     "routing replay of a dense model": (
         ["algorithm.routing_replay=true"],
         ["algorithm.routing_replay", "is dense"],

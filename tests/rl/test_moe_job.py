@@ -1,7 +1,8 @@
 """A mixture-of-experts RL job through ``relax-launch run``: the repository's tiny Qwen3-MoE
 config (experts split over two trainer ranks, routing replay) trains 3 steps, each sync lands
 in the engine's stacked expert weights in place, with engine and trainer computing the same
-logprobs and the same experts for every trained token."""
+logprobs and the same experts for every trained token; its checkpoint exports to the same
+model. Slow variants: Qwen2-MoE, experts over TP, an engine of two TP ranks, colocated."""
 
 from __future__ import annotations
 
@@ -27,16 +28,36 @@ def expert_index(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-@pytest.mark.parametrize(
-    "model", ["tiny-qwen3-moe", pytest.param("tiny-qwen2-moe", marks=pytest.mark.slow)]
-)
-def test_moe_job_with_expert_parallelism_and_routing_replay(tmp_path, model):
+TP2_WORLD = ["cluster.nproc_per_node=4", "rollout.ranks=2"]
+SPLIT = ["placement.mode=split", "trainer.ranks=null", "cluster.nproc_per_node=2"]
+CASES = {  # case: (policy, overrides of the config)
+    "qwen3-moe-ep2": ("tiny-qwen3-moe", []),
+    "qwen2-moe-ep2": ("tiny-qwen2-moe", []),
+    # experts split over TP instead (sequence parallel), synced into two engines
+    "qwen3-moe-tp2": ("tiny-qwen3-moe", ["trainer.tp_size=2", "trainer.ep_size=1", *TP2_WORLD]),
+    # an engine of two TP ranks: experts go by their checkpoint names, through load_weights
+    "qwen3-moe-ep2-engine-tp2": ("tiny-qwen3-moe", [*TP2_WORLD, "rollout.tp_size=2"]),
+    # colocated: trainer and engine share both ranks, the sync goes by buckets
+    "qwen3-moe-ep2-split": ("tiny-qwen3-moe", SPLIT),
+}
+SLOW = [pytest.param(case, marks=pytest.mark.slow) for case in CASES if case != "qwen3-moe-ep2"]
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe-ep2", *SLOW])
+def test_moe_job_with_expert_parallelism_and_routing_replay(tmp_path, case):
+    model, overrides = CASES[case]
     checkpoints = [f"checkpoint.dir={tmp_path}/checkpoints", "checkpoint.every_steps=3"]
     result = run_tiny(
-        CONFIG, f"logging.dir={tmp_path}", f"trainer.model=builtin:{model}", *checkpoints
+        CONFIG,
+        f"logging.dir={tmp_path}",
+        f"trainer.model=builtin:{model}",
+        *checkpoints,
+        *overrides,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert_calm_console(result, tmp_path, ranks=3, steps=3)
+    ranks = 4 if "tp2" in case else 2 if "split" in case else 3
+    in_place = model == "tiny-qwen3-moe" and "engine-tp2" not in case
+    assert_calm_console(result, tmp_path, ranks=ranks, steps=3)
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["weight_version"] for s in steps] == [0, 1, 2]
     for s in steps:
@@ -54,18 +75,18 @@ def test_moe_job_with_expert_parallelism_and_routing_replay(tmp_path, model):
         assert all(t > 0 for t in tokens) and 1.0 <= s["moe/load_balance_loss"] < 4.0
     # in place: the routed experts' slices of the stacked weights (a shared expert, whose size
     # the CPU engine pads, goes through load_weights)
-    if model == "tiny-qwen3-moe":
+    if in_place:
         assert all(s["sync/staged_tensors"] == 0 for s in steps)
-    # each EP rank exported its own experts (the sync's export): no rank held all four
     export = tmp_path / "hf" / "step_000003"
-    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
-    files: dict[str, set] = {}
-    for name, file in index.items():
-        files.setdefault(file, set()).add(expert_index(name))
-    first, second = (files[f] for f in sorted(files))
-    assert second == {2, 3} and {0, 1} <= first and not first & {2, 3}
-    with safe_open(str(export / sorted(files)[1]), "pt") as shard:
-        assert all(expert_index(name) in (2, 3) for name in shard.keys())
+    if "ep2" in case:  # each EP rank exported its own experts (the sync's export): none held
+        index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+        files: dict[str, set] = {}  # all four
+        for name, file in index.items():
+            files.setdefault(file, set()).add(expert_index(name))
+        first, second = (files[f] for f in sorted(files))
+        assert second == {2, 3} and {0, 1} <= first and not first & {2, 3}
+        with safe_open(str(export / sorted(files)[1]), "pt") as shard:
+            assert all(expert_index(name) in (2, 3) for name in shard.keys())
     # the checkpoint (one file per EP rank) converts to the same model, bit for bit
     offline = export_checkpoint(tmp_path, tmp_path / "offline")
     live = read_weights(export)

@@ -1,13 +1,12 @@
 """torchrun worker (two ranks): the trainer's Megatron-core MoE model against the Hugging Face
 model it was converted from, on the same token sequences (fp32, CPU), under several layouts.
 
-argv: layouts model_dir...; layouts like "1x1,2x1,1x2" (tp_size x ep_size; training with
-TP > 1 is refused for MoE, so the last one has tp_size 1). Each rank scores the
-sequences as its data-parallel shard (with EP, the ranks exchange tokens with the experts they
-route to). Then, under the last layout, routing replay with experts the router would not have
-chosen: a train step must dispatch to them (its metrics), and the logprobs must follow them.
-Prints one JSON line per rank: {"TPxEP model_dir": largest |trainer - transformers| logprob,
-"replay": {...}}.
+argv: layouts model_dir...; layouts like "1x1x1,2x1x1" (tp_size x ep_size x pp_size). Under each
+layout each rank scores the sequences as its data-parallel shard (with EP, the ranks exchange
+tokens with the experts they route to), then takes one train step on them: its gradient norm
+must not depend on the layout. Then, under the last layout, routing replay of random experts.
+Rank 0 prints one JSON line per rank: {"TxExP model_dir": {"gap": largest |trainer - transformers|
+logprob, "grad_norm": ...}, "replay": {...}}.
 """
 
 import json
@@ -25,14 +24,18 @@ from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 
 
-def trainer_for(model_dir: str, tp: int, ep: int) -> object:
+def trainer_for(model_dir: str, tp: int, ep: int, pp: int) -> object:
     from relax_launch.trainer.trainer import Trainer
 
     world = dist.get_world_size()
-    layout = TrainerLayout(tuple(range(world)), tp, 1, world // tp, "train", ep_size=ep)
+    layout = TrainerLayout(tuple(range(world)), tp, pp, world // (tp * pp), "train", ep_size=ep)
     pgc = build_trainer_groups(layout, platform.dist_backend("cpu"))
     section = TrainerConfig(
-        model=model_dir, ranks=world, dtype="float32", tp_size=tp, ep_size=ep, lr=1e-6
+        model=model_dir,
+        ranks=world,
+        dtype="float32",
+        lr=1e-6,
+        **{"tp_size": tp, "ep_size": ep, "pp_size": pp},
     )
     return Trainer(section=section, model_dir=Path(model_dir), pgc=pgc, device="cpu")
 
@@ -64,17 +67,24 @@ def main() -> None:
     platform.prepare_megatron("cpu")
     batch = TokenBatch.next_token(SEQUENCES, [1] * len(SEQUENCES))
     report = {}
-    for tp, ep in layouts:
+    for tp, ep, pp in layouts:
         for model_dir in models:
-            trainer = trainer_for(model_dir, tp, ep)
+            trainer = trainer_for(model_dir, tp, ep, pp)
             ours = trainer.logprobs(batch)
-            theirs = transformers_logprobs(model_dir)
-            report[f"{tp}x{ep} {model_dir}"] = max(
-                float((torch.tensor(a) - torch.tensor(b)).abs().max())
-                for a, b in zip(ours, theirs, strict=True)
-            )
+            case = {"grad_norm": trainer.train_step(batch)["grad_norm"]}
+            if ours is not None:  # the last pipeline stage
+                theirs = transformers_logprobs(model_dir)
+                case["gap"] = max(
+                    float((torch.tensor(a) - torch.tensor(b)).abs().max())
+                    for a, b in zip(ours, theirs, strict=True)
+                )
+            report[f"{tp}x{ep}x{pp} {model_dir}"] = case
     report["replay"] = replayed(trainer, batch)
-    print(json.dumps(report), flush=True)
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:  # one writer: two ranks' lines could interleave
+        for each in reports:
+            print(json.dumps(each), flush=True)
     dist.destroy_process_group()
 
 

@@ -33,17 +33,30 @@ def swapped_experts(model: Path, out: Path) -> Path:
     return out
 
 
-def test_moe_logprobs_equal_the_hf_models_and_replay_dispatches_the_given_experts(venv_env):
+LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 1))  # tp x ep x pp on two ranks
+
+
+def test_moe_logprobs_and_gradients_match_in_every_layout_and_replay_dispatches(venv_env):
+    """Each layout gives the HF model's logprobs and the same gradient norm for the same
+    batch: TP (experts split by rows and columns, sequence parallelism), PP (a stage's routers),
+    EP (tokens exchanged all-to-all). The gradient catches what logprobs cannot, e.g. expert
+    gradients counted once per TP rank."""
     models = [ensure_model(f"builtin:{n}") for n in ("tiny-qwen3-moe", "tiny-qwen2-moe")]
-    reports = run_worker(WORKER, 2, ["1x1,2x1,1x2", *models], venv_env)
-    for report in reports:  # one per rank
-        for (tp, ep), model in itertools.product(((1, 1), (2, 1), (1, 2)), models):
-            gap = report[f"{tp}x{ep} {model}"]
-            print(f"{model.name} tp={tp} ep={ep}: differ by at most {gap:.2e}")
-            assert gap <= TOLERANCE, (model.name, tp, ep)
-        # Random experts replayed (EP=2): the trainer's router would mostly have chosen others,
-        # yet every trained token went to the replayed experts, and the logprobs followed.
-        replay = report["replay"]
+    layouts = ",".join("x".join(map(str, layout)) for layout in LAYOUTS)
+    reports = run_worker(WORKER, 2, [layouts, *models], venv_env)
+    for model in models:
+        norms = {}
+        for report, layout in itertools.product(reports, LAYOUTS):
+            case = report[f"{'x'.join(map(str, layout))} {model}"]
+            norms.setdefault(layout, set()).add(round(case["grad_norm"], 5))
+            if "gap" in case:
+                print(f"{model.name} tp x ep x pp = {layout}: differ by at most {case['gap']:.2e}")
+                assert case["gap"] <= TOLERANCE, (model.name, layout)
+        print(f"{model.name} grad norms by layout: {norms}")
+        reference = norms[(1, 1, 1)]
+        assert all(n == reference for n in norms.values()), norms
+    for report in reports:  # Random experts replayed (EP=2): every trained token went to the
+        replay = report["replay"]  # replayed experts, and the logprobs followed them.
         print(f"replaying random experts: {replay}")
         assert replay["moe/dispatch_mismatch"] == 0.0
         assert replay["moe/routing_mismatch"] > 0.5
