@@ -155,12 +155,14 @@ def sync(ctx: RLContext, version: int, seconds: dict[str, float]) -> dict[str, f
 
 
 def sync_metrics(reports: list[dict[str, Any]], seconds: float) -> dict[str, float]:
-    """Where one weight sync spent its time (the slowest pipeline stage per phase), its bytes
-    (a LoRA policy sends only its targeted weights), GB/s, the
-    tensors the engines had to stage instead of receiving in place, and whether the sync had
-    to be sent twice (``sync/repaired``)."""
-    phases = ("export_s", "transfer_s", "engine_s", "control_s")
-    metrics = {f"sync/{p}": max(r[p] for r in reports) for p in phases if reports}
+    """Where one weight sync spent its time (summed over its broadcast groups, one per
+    pipeline stage and EP rank, which send in turn; the session's open and close, ``control_s``,
+    once), its bytes (a LoRA policy sends only its targeted weights), GB/s, the tensors the
+    engines had to stage instead of receiving in place, and whether the sync had to be sent
+    twice (``sync/repaired``)."""
+    sent = ("export_s", "transfer_s", "engine_s")
+    metrics = {f"sync/{p}": sum(r[p] for r in reports) for p in sent}
+    metrics["sync/control_s"] = max((r["control_s"] for r in reports), default=0.0)
     metrics["sync/bytes"] = sum(r["num_bytes"] for r in reports)
     metrics["sync/gb_per_s"] = metrics["sync/bytes"] / 1e9 / max(seconds, 1e-9)
     metrics["sync/staged_tensors"] = sum(e["staged"] for r in reports for e in r["receivers"])

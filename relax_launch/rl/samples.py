@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -39,4 +42,4 @@ class Sample:
     token_versions: list[int] | None = None
     # routing replay: the experts the engine routed each input token to, per MoE layer
     # (int32 [prompt + response tokens - 1, MoE layers, top-k]; ``rollout.routed_experts``)
-    routed_experts: Any = None
+    routed_experts: torch.Tensor | None = None

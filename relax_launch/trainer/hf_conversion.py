@@ -44,6 +44,7 @@ _SHARED_EXPERT_PARAMS = {
     "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight", 1),
     "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight", None),
 }
+_ANY_LAYER_PARAMS = {**_LAYER_PARAMS, **_MOE_PARAMS, **_SHARED_EXPERT_PARAMS}
 _EXPERT_INDEX = re.compile(r"(?<=local_experts\.)(\d+)(?=\.)")  # in a Megatron name
 _TOP_PARAMS = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
@@ -78,17 +79,14 @@ def hf_names(shape: ModelShape) -> set[str]:
     """Every tensor name a Hugging Face checkpoint of ``shape`` holds (and the load consumes)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     for layer in range(shape.num_layers):
-        per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight"]
-        per_layer += ["self_attn.v_proj.weight"]
-        if shape.qkv_bias:
-            per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
+        per_layer = [f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in kinds]
         params = _layer_params(shape, layer)
         per_layer += [hf for hf, _ in params.values() if hf is not None]
         if shape.is_moe_layer(layer):
             per_layer += ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"]
             if shape.moe.shared_expert_size:
-                per_layer += ["mlp.shared_expert.gate_proj.weight"]
-                per_layer += ["mlp.shared_expert.up_proj.weight"]
+                per_layer += [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")]
             per_layer = _expand_experts(per_layer, shape.moe.num_experts)
         else:
             per_layer += ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
@@ -118,7 +116,7 @@ def tp_split_dim(megatron_name: str) -> int | None:
     if megatron_name in _TOP_PARAMS:
         return _TOP_PARAMS[megatron_name][1]
     suffix = _EXPERT_INDEX.sub("*", megatron_name.split(".", 3)[3])
-    return {**_LAYER_PARAMS, **_MOE_PARAMS, **_SHARED_EXPERT_PARAMS}[suffix][1]
+    return _ANY_LAYER_PARAMS[suffix][1]
 
 
 def is_expert(megatron_name: str) -> bool:
@@ -272,8 +270,7 @@ def megatron_to_hf(
         yield f"{prefix}{stem}gate_proj.weight", gate
         yield f"{prefix}{stem}up_proj.weight", up
     else:
-        params = {**_LAYER_PARAMS, **_MOE_PARAMS, **_SHARED_EXPERT_PARAMS}
-        yield prefix + params[suffix][0].removeprefix("mlp.experts.*."), full
+        yield prefix + _ANY_LAYER_PARAMS[suffix][0].removeprefix("mlp.experts.*."), full
 
 
 # the HF stem of each fc1 (gate/up pair); a routed expert's comes after mlp.experts.N.

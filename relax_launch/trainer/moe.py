@@ -77,13 +77,19 @@ class RoutingMonitor:
     """Routing statistics of the training forward, summed over micro-batches (module doc)."""
 
     def __init__(
-        self, layers: list[tuple[int, Any]], num_experts: int, topk: int, part: tuple[int, int]
+        self,
+        layers: list[tuple[int, Any]],
+        num_experts: int,
+        topk: int,
+        part: tuple[int, int],
+        device: torch.device,
     ) -> None:
         self.num_experts, self.topk, self.part = num_experts, topk, part
         self.batch: dict[str, torch.Tensor] | None = None  # the micro-batch being computed
         # tokens per expert, router probability sums per expert, tokens, trained tokens whose
-        # chosen / dispatched experts differ from the engine's, trained tokens compared
-        self.totals = torch.zeros(2 * num_experts + 4, dtype=torch.float64)
+        # chosen / dispatched experts differ from the engine's, trained tokens compared; kept
+        # on the device, so the forward never waits for the host
+        self.totals = torch.zeros(2 * num_experts + 4, dtype=torch.float64, device=device)
         for column, router in layers:
             router.register_forward_hook(self._observe(column))
 
@@ -95,32 +101,31 @@ class RoutingMonitor:
         def hook(router: Any, inputs: tuple, output: tuple) -> None:
             if self.batch is not None:
                 with torch.no_grad():
-                    self.totals += self._count(router, inputs[0], output[1], column)
+                    self._count(router, inputs[0], output[1], column)
 
         return hook
 
     def _count(
         self, router: Any, hidden: torch.Tensor, dispatched: torch.Tensor, column: int
-    ) -> torch.Tensor:
-        """One layer's routing of the micro-batch being computed, as ``totals`` adds it."""
-        batch, e = self.batch, self.num_experts
-        real = sequence_first(batch["valid"][..., None, None] > 0, 0, self.part)[:, 0]
+    ) -> None:
+        """Add one layer's routing of the micro-batch being computed to ``totals`` (masks
+        multiplied in, not indexed by: no host synchronisation)."""
+        batch, e, totals = self.batch, self.num_experts, self.totals
+        real = sequence_first(batch["valid"][..., None, None], 0, self.part).double()
         logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
         chosen = torch.zeros_like(logits, dtype=torch.bool)
         chosen.scatter_(1, logits.topk(self.topk, dim=-1).indices, True)
-        counts = torch.zeros(2 * e + 4, dtype=torch.float64)
-        counts[:e] = dispatched[real].sum(0).double().cpu()
-        counts[e : 2 * e] = logits.softmax(-1)[real].sum(0).double().cpu()
-        counts[2 * e] = float(real.sum())
+        totals[:e] += (dispatched.double() * real).sum(0)
+        totals[e : 2 * e] += (logits.softmax(-1).double() * real).sum(0)
+        totals[2 * e] += real.sum()
         if "routed_experts" in batch:
             engine = torch.zeros_like(chosen)
             routed = sequence_first(batch["routed_experts"], column, self.part)
             engine.scatter_(1, routed.long(), True)
             trained = sequence_first(batch["mask"][..., None, None] > 0, 0, self.part)[:, 0]
-            counts[2 * e + 1] = float((chosen != engine).any(-1)[trained].sum())
-            counts[2 * e + 2] = float((dispatched.bool() != engine).any(-1)[trained].sum())
-            counts[2 * e + 3] = float(trained.sum())
-        return counts
+            totals[2 * e + 1] += ((chosen != engine).any(-1) & trained).sum()
+            totals[2 * e + 2] += ((dispatched.bool() != engine).any(-1) & trained).sum()
+            totals[2 * e + 3] += trained.sum()
 
     def metrics(self, groups: list[Any]) -> dict[str, float]:
         """The step's routing metrics, summed over ``groups`` (data parallel, pipeline, tensor
@@ -128,7 +133,7 @@ class RoutingMonitor:
         totals, self.totals = self.totals, torch.zeros_like(self.totals)
         for group in groups:
             dist.all_reduce(totals, group=group)
-        e = self.num_experts
+        totals, e = totals.cpu(), self.num_experts
         tokens_per_expert, prob_sums, tokens = totals[:e], totals[e : 2 * e], totals[2 * e]
         if tokens == 0:
             return {}
@@ -148,14 +153,14 @@ class MoeRouting:
     """The routers of the policy (and of its frozen reference): replay in every forward of a
     micro-batch that carries the engine's routing, statistics in the training forward."""
 
-    def __init__(self, policy: Any, shape: ModelShape, pgc: Any) -> None:
+    def __init__(self, policy: Any, shape: ModelShape, pgc: Any, device: torch.device) -> None:
         self.shape, self.pp = shape, pgc.pp
         sequence_parallel = policy.config.sequence_parallel
         self.part = (pgc.tp.rank(), pgc.tp.size()) if sequence_parallel else (0, 1)
         layers = routers(policy, shape, pgc.pp)
         self.replays = {id(policy): Replay(layers, self.part)}
         moe = shape.moe
-        self.monitor = RoutingMonitor(layers, moe.num_experts, moe.topk, self.part)
+        self.monitor = RoutingMonitor(layers, moe.num_experts, moe.topk, self.part, device)
 
     def add(self, model: Any) -> None:
         """Replay in ``model`` too (the reference model: its own routers)."""
@@ -166,3 +171,8 @@ class MoeRouting:
         count it if this is the training forward."""
         self.replays[id(getattr(model, "module", model))].set(batch.get("routed_experts"))
         self.monitor.watch(batch if train else None)
+
+
+def moe_routing(policy: Any, shape: ModelShape, pgc: Any, device: Any) -> MoeRouting | None:
+    """The policy's ``MoeRouting``; None for a dense model."""
+    return MoeRouting(policy, shape, pgc, device) if shape.moe is not None else None

@@ -33,7 +33,7 @@ from relax_launch.trainer.model import (
     load_hf_checkpoint,
     read_shape,
 )
-from relax_launch.trainer.moe import MoeRouting
+from relax_launch.trainer.moe import MoeRouting, moe_routing
 from relax_launch.trainer.offload import PARTS, StateOffloader
 
 SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
@@ -73,7 +73,7 @@ class Trainer:
         self.model = build_gpt(self.shape, section, pgc, self.torch_device, model_dir)
         load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
         self.lora = targets_of(self.model.module)  # {weight name: linear with an adapter}
-        self.moe = MoeRouting(self.model.module, self.shape, pgc) if self.shape.moe else None
+        self.moe = moe_routing(self.model.module, self.shape, pgc, self.torch_device)
         self.hf = HFExport(self.model.module, self.shape, pgc, self.lora)
         self.reference = None
         self.wants_reference = reference

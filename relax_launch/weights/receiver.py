@@ -12,8 +12,8 @@ its processes) that adds one ``load_format``, ``IN_PLACE``, to two update routes
   parameter itself: no allocation, no second copy. Any other tensor (dtype conversion, an
   engine TP shard, a layout SGLang must reshape or pad) is received into a staging buffer kept
   for the next sync and handed to ``load_weights`` under its checkpoint names
-  (``checkpoint_names``). Tensors under ``PACK_BELOW`` bytes travel
-  together in one broadcast per dtype (``broadcast_plan``) and are copied out of it.
+  (``checkpoint_names``). Tensors under ``PACK_BELOW`` bytes travel together in one broadcast
+  per dtype (``broadcast_plan``) and are copied out of it.
 - ``update_weights_from_tensor`` (trainer and engine on one host, ``split``/``defer``): the
   request names one bucket of the export, a CUDA tensor shared by IPC or a CPU file in
   ``/dev/shm`` (``colocated.py``); each tensor is copied out of the bucket into its parameter,
@@ -119,7 +119,7 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
                 destination.copy_(piece)
                 copied += 1
     report.count(len(names), staged, copied)
-    return [pair for name, tensor in staged for pair in checkpoint_names(name, tensor)]
+    return for_load_weights(staged)
 
 
 def wait_unless_aborted(work: Any, group: Any) -> None:
@@ -174,13 +174,14 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
             destination.copy_(source, non_blocking=True)
     report.count(len(entries), staged, len(entries) - len(staged))
     if staged:
-        updater.get_model().load_weights(
-            [pair for name, tensor in staged for pair in checkpoint_names(name, tensor)]
-        )
-    from relax_launch import platform
-
+        updater.get_model().load_weights(for_load_weights(staged))
     platform.synchronize(bucket.device)  # the trainer reuses the bucket once we answer
     return True, state.finish("Success")
+
+
+def for_load_weights(staged: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Staged tensors as ``load_weights`` reads them (``checkpoint_names``)."""
+    return [pair for name, tensor in staged for pair in checkpoint_names(name, tensor)]
 
 
 def checkpoint_names(name: str, tensor: Any) -> list[tuple[str, Any]]:
@@ -299,11 +300,10 @@ class _ReceiverState:
             return None
         data = param.data
         if index:
-            if not index.endswith("]") or not index[:-1].isdigit():
+            slot = int(index[:-1]) if index.endswith("]") and index[:-1].isdigit() else -1
+            if not 0 <= slot < (data.shape[0] if data.dim() else 0):
                 return None
-            if data.dim() == 0 or int(index[:-1]) >= data.shape[0]:
-                return None
-            data = data[int(index[:-1])]
+            data = data[slot]
         if data.dtype != dtype or list(data.shape) != list(shape):
             return None
         return data

@@ -17,7 +17,7 @@ from relax_launch.rl.batch import assign_advantages, to_batch
 from relax_launch.rl.config import DataConfig, RewardConfig, RewardSource
 from relax_launch.rl.context import PromptFeed, StepResult
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
-from relax_launch.rl.phases import drop_stale
+from relax_launch.rl.phases import drop_stale, sync_metrics
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import (
     JUDGE_PREFILL,
@@ -371,3 +371,18 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
     lines = console.file.getvalue().splitlines()
     assert lines[1].startswith("relax-launch: step 2/3 | reward 0.500")
     assert "other 4.0s" in lines[1] and lines[1].endswith("ETA 0:08")  # mean 8 s x 1 step left
+
+
+def test_a_syncs_time_adds_up_over_groups_that_send_in_turn():
+    """Pipeline stages and EP ranks send one after the other: the sync's phases are their sum
+    (the slowest one alone would hide the rest); the session's open and close count once."""
+
+    def report(export_s, transfer_s, staged):
+        receivers = ({"staged": staged},)
+        return dict(export_s=export_s, transfer_s=transfer_s, engine_s=0.5, control_s=0.25,
+                    num_bytes=100, receivers=receivers)  # fmt: skip
+
+    metrics = sync_metrics([report(1.0, 2.0, 0), report(3.0, 1.0, 2)], seconds=8.0)
+    assert (metrics["sync/export_s"], metrics["sync/transfer_s"]) == (4.0, 3.0)
+    assert (metrics["sync/engine_s"], metrics["sync/control_s"]) == (1.0, 0.25)
+    assert (metrics["sync/bytes"], metrics["sync/staged_tensors"]) == (200, 2)
