@@ -54,6 +54,9 @@ RUNTIME_DEPS += ["fastapi", "starlette", "aiohttp", "prometheus-client"]
 RUNTIME_DEPS += ["tensorboard", "matplotlib", "wandb"]
 # pyarrow: Parquet files and HF `datasets` directories as data.dataset (no `datasets` needed).
 RUNTIME_DEPS += ["pyarrow"]
+# Mooncake's transfer engine moves KV caches between prefill and decode engines (its build
+# without CUDA here, SGLang's own choice on GPUs).
+MOONCAKE = {"cpu": ["mooncake-transfer-engine-non-cuda"], "gpu": ["mooncake-transfer-engine"]}
 
 setup(
     name="relax-launch",
@@ -64,8 +67,8 @@ setup(
     python_requires=">=3.11",
     install_requires=["click", "pydantic", "pyyaml", "pillow"],
     extras_require={
-        "cpu": RUNTIME_DEPS + SGLANG_CPU_DEPS,
-        "gpu": RUNTIME_DEPS + ["sglang"],
+        "cpu": RUNTIME_DEPS + SGLANG_CPU_DEPS + MOONCAKE["cpu"],
+        "gpu": RUNTIME_DEPS + ["sglang"] + MOONCAKE["gpu"],
         # httpx: the tests' and benchmarks' own client, independent of the package's
         # peft: the tests load a LoRA run's adapter export as a PEFT model
         "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis", "httpx"]

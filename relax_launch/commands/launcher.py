@@ -91,7 +91,7 @@ def explain_failure(plan: PlacementPlan, output: str) -> str | None:
     if failed is None:
         return None
     rank, code = failed
-    roles = roles_label(plan.ranks[rank])
+    roles = roles_label(plan, plan.ranks[rank])
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     return f"rank {rank} ({roles}) {how}"
 
@@ -149,7 +149,7 @@ def next_steps(job: JobConfig, args: list[str], cause: str) -> str:
     going, and the command that resumes it from its newest checkpoint."""
     steps = []
     if " engine " in cause and "SGLang server" in cause and "rollout" in cause:
-        if job.rollout is not None and not job.rollout.fault_tolerance:
+        if job.rollout is not None and not job.rollout.fault_tolerance and not job.rollout.prefill:
             steps.append(
                 "with rollout.fault_tolerance=true (decoupled, 2+ rollout engines) a dead "
                 "rollout engine is restarted and the job goes on"

@@ -20,6 +20,7 @@ _EXPORTS = {
     "GatewayConfig": "relax_launch.inference.config",
     "GenRMConfig": "relax_launch.inference.config",
     "InferenceRoleConfig": "relax_launch.inference.config",
+    "PrefillConfig": "relax_launch.inference.config",
     "RolloutConfig": "relax_launch.inference.config",
     "TeacherConfig": "relax_launch.inference.config",
     "ClusterConfig": "relax_launch.placement.config",

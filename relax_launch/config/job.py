@@ -151,6 +151,7 @@ class JobConfig(Section):
         problems = _role_usage_problems(self) + _colocation_problems(self) + _engine_problems(self)
         problems += _batch_problems(self) + _fault_tolerance_problems(self)
         problems += _algorithm_problems(self) + _lora_problems(self)
+        problems += _disaggregation_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -279,6 +280,47 @@ def _fault_tolerance_problems(job: JobConfig) -> list[str]:
     if not needs:
         return []
     return [f"rollout.fault_tolerance needs {' and '.join(needs)}: set them or turn it off."]
+
+
+def _disaggregation_problems(job: JobConfig) -> list[str]:
+    """What prefill/decode engines cannot be combined with yet, and why."""
+    problems = []
+    for name, role in job.inference_roles().items():
+        if role.prefill is None:
+            continue
+        clashes = {
+            "placement.mode=decoupled": (
+                job.placement.mode != "decoupled",
+                "colocated engines release their KV cache between phases, and the KV transfer "
+                "registers that memory once at start",
+            ),
+        }
+        if name == "rollout":
+            clashes |= _rollout_disaggregation_clashes(job)
+        problems += [
+            f"{name}.prefill (prefill/decode engines) needs {what}: {why}. Change it or remove "
+            f"{name}.prefill."
+            for what, (clash, why) in clashes.items()
+            if clash
+        ]
+    return problems
+
+
+def _rollout_disaggregation_clashes(job: JobConfig) -> dict[str, tuple[bool, str]]:
+    return {
+        "rollout.fault_tolerance off": (
+            job.rollout.fault_tolerance,
+            "a restarted half would have to rejoin its partner's KV transfer",
+        ),
+        "algorithm.routing_replay off": (
+            job.algorithm.routing_replay,
+            "the routed experts of a prompt are recorded on the prefill side",
+        ),
+        "trainer.lora.engines=merged": (
+            job.trainer.lora is not None and job.trainer.lora.engines == "adapter",
+            "both halves would have to load each adapter version",
+        ),
+    }
 
 
 def _lora_problems(job: JobConfig) -> list[str]:

@@ -23,6 +23,14 @@ import aiohttp
 import orjson
 
 from relax_launch import http
+from relax_launch.inference.disaggregation import (
+    PairRequest,
+    PrefillFailed,
+    PrefillTarget,
+    bootstrapped,
+    watched,
+    with_input_logprobs,
+)
 from relax_launch.inference.discovery import Discovery
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
@@ -59,12 +67,30 @@ class Prepared:
     body: bytes
     headers: dict[str, str]
     model_id: str = "-"  # the model it was routed to ("-" when sent through the gateway)
+    prefill: PrefillTarget | None = None  # sent to this prefill half too (``disaggregation``)
+    path: str = ""  # the engine path, for the prefill half
 
     async def post(self, session: aiohttp.ClientSession, timeout_s: float) -> http.Reply:
-        """POST it once, its whole reply read (a generation is never sent twice)."""
-        return await http.fetch(
+        """POST it once, its whole reply read (a generation is never sent twice). A prefill
+        half that fails answers for the pair: its error status, or ``TimeoutError`` and
+        ``http.TransportError`` as the engine's own would be."""
+        call = http.fetch(
             session, "POST", self.url, body=self.body, headers=self.headers, timeout_s=timeout_s
         )
+        if self.prefill is None:
+            return await call
+        pair = PairRequest(session, self.prefill, self.path, self.body, self.headers, timeout_s)
+        try:
+            reply, prefilled = await pair.alongside(call)
+            body = with_input_logprobs(reply.body, prefilled, self.body) if reply.ok else reply.body
+            return http.Reply(reply.status, reply.headers, body)
+        except PrefillFailed as exc:
+            if exc.status == 504:
+                raise TimeoutError(str(exc)) from None
+            if exc.status == 502:
+                raise http.TransportError(str(exc)) from None
+            error = orjson.dumps({"error": {"message": str(exc), "code": exc.status}})
+            return http.Reply(exc.status, {}, error)
 
 
 def engine_request(target: RouteTarget, path: str, payload: dict[str, Any]) -> Prepared:
@@ -76,8 +102,17 @@ def engine_request(target: RouteTarget, path: str, payload: dict[str, Any]) -> P
     headers = {"content-type": "application/json"}
     if target.routing_key is not None:  # sglang-router picks the engine by it
         headers[ROUTING_KEY_HEADER] = target.routing_key
-    url = target.base_url + ENGINE_PATHS[path]
-    return Prepared(url, orjson.dumps(body), headers, target.model_id)
+    if target.prefill is not None:
+        body = bootstrapped(body, target.prefill)
+    engine_path = ENGINE_PATHS[path]
+    return Prepared(
+        target.base_url + engine_path,
+        orjson.dumps(body),
+        headers,
+        target.model_id,
+        target.prefill,
+        engine_path,
+    )
 
 
 class _Planner:
@@ -211,12 +246,23 @@ class AsyncInferenceClient:
         chunk, not the whole stream, must come within the client's timeout."""
         prepared = await self._prepare(path, {**payload, "stream": True}, affinity_key)
         per_read = aiohttp.ClientTimeout(sock_connect=self.timeout_s, sock_read=self.timeout_s)
-        async with self.session.post(
-            prepared.url, data=prepared.body, headers=prepared.headers, timeout=per_read
-        ) as response:
-            if response.status >= 400:
-                _check(http.Reply(response.status, response.headers, await response.read()))
-            yield response.content.iter_any()
+        prefill = None
+        if prepared.prefill is not None:
+            prefill = PairRequest(
+                self.session, prepared.prefill, prepared.path, prepared.body, prepared.headers,
+                self.timeout_s,
+            ).prefill_until_failure()  # fmt: skip
+        try:
+            async with self.session.post(
+                prepared.url, data=prepared.body, headers=prepared.headers, timeout=per_read
+            ) as response:
+                if response.status >= 400:
+                    _check(http.Reply(response.status, response.headers, await response.read()))
+                chunks = response.content.iter_any()
+                yield chunks if prefill is None else watched(chunks, prefill)
+        finally:
+            if prefill is not None:
+                prefill.cancel()
 
 
 class InferenceClient:

@@ -30,7 +30,31 @@ PLANNER_OWNED_ENGINE_KEYS = frozenset(
 )
 
 
-class InferenceRoleConfig(Section):
+class EngineShape(Section):
+    """What ``ranks``, ``tp_size`` and ``pp_size`` make: engines of tp_size x pp_size ranks."""
+
+    @property
+    def ranks_per_engine(self) -> int:
+        """Ranks of one engine: tp_size x pp_size."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def num_engines(self) -> int:
+        """Engines of this shape (ranks / ranks_per_engine, when it divides)."""
+        return self.ranks // self.ranks_per_engine
+
+
+class PrefillConfig(EngineShape):
+    """The prefill engines of a disaggregated role (SGLang's prefill/decode disaggregation)."""
+
+    ranks: int = Field(1, ge=1, description="Ranks of the prefill engines, in total.")
+    tp_size: int = Field(1, ge=1, description="Prefill engine tensor-parallel size.")
+    pp_size: int = Field(
+        1, ge=1, description="Prefill engine pipeline-parallel size; tp_size x pp_size ranks each."
+    )
+
+
+class InferenceRoleConfig(EngineShape):
     """One inference role: its model, its ranks, and how they group into SGLang engines."""
 
     model: str | None = Field(None, description="Model: a Hugging Face directory or builtin:NAME.")
@@ -55,6 +79,14 @@ class InferenceRoleConfig(Section):
         default_factory=dict,
         description="Extra SGLang server arguments, e.g. {max_total_tokens: 4096}. Placement "
         "fields (tp_size, port, base_gpu_id, ...) belong to the planner and are rejected.",
+    )
+    prefill: PrefillConfig | None = Field(
+        None,
+        description="Prefill/decode disaggregation: these ranks run prefill engines and the "
+        "role's own ranks/tp_size/pp_size its decode engines; each request is prefilled on one, "
+        "its KV cache moved (Mooncake, TCP on the CPU) and decoded on the other. Decode engine i "
+        "pairs with prefill engine i mod (prefill engines), which must divide the decode "
+        "engines. placement.mode=decoupled only.",
     )
 
     @field_validator("ranks")
@@ -92,14 +124,9 @@ class InferenceRoleConfig(Section):
         return self.model_id or model.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
 
     @property
-    def ranks_per_engine(self) -> int:
-        """Ranks of one engine: tp_size x pp_size."""
-        return self.tp_size * self.pp_size
-
-    @property
-    def num_engines(self) -> int:
-        """Engines of this role (ranks / ranks_per_engine, when it divides)."""
-        return self.ranks // self.ranks_per_engine
+    def total_ranks(self) -> int:
+        """Every rank of the role (with prefill/decode disaggregation, both halves')."""
+        return self.ranks + (self.prefill.ranks if self.prefill is not None else 0)
 
 
 class RolloutConfig(InferenceRoleConfig):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig
+from relax_launch.inference.disaggregation import EngineHalf, PrefillTarget, check_pair
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.gateway import InferenceGateway, Renderer
@@ -84,6 +85,24 @@ def chat_renderer(model_dir: Path) -> Renderer:
     return render
 
 
+def pair_up(handles: list[EngineHandle], halves: Sequence[EngineHalf], timeout_s: float) -> None:
+    """Mark each engine's half (a prefill engine with the bootstrap port its server reports,
+    a decode engine with its prefill engine), then have every pair generate a token."""
+    for handle, half in zip(handles, halves, strict=False):
+        handle.half = half.half
+        if half.half == "prefill":
+            info = handle.info("/server_info")
+            handle.bootstrap_port = int(info["disaggregation_bootstrap_port"])
+        if half.prefill_index is not None:
+            handle.prefill_id = handles[half.prefill_index].engine_id
+    by_id = {h.engine_id: h for h in handles}
+    for handle in handles:
+        if handle.prefill_id is not None:
+            prefill = by_id[handle.prefill_id]
+            target = PrefillTarget.at(prefill.engine_id, prefill.url, prefill.bootstrap_port)
+            check_pair(handle.url, target, timeout_s)
+
+
 class ControlPlane:
     """Managers, gateway, engine clients and router of one job; ``close`` stops what it
     started. The RL controller reaches the engines through ``engines``, not the gateway."""
@@ -128,17 +147,30 @@ class ControlPlane:
         (self.log_dir / "gateway.json").write_text(json.dumps(record) + "\n")
         log.info("gateway serving on %s (roles: %s)", self.url, record["roles"])
 
-    def attach(self, role: str, urls: list[str], startup_timeout_s: float) -> None:
-        """A role's engines are up: hand them to its manager (and the router, if used)."""
+    def attach(
+        self,
+        role: str,
+        urls: list[str],
+        startup_timeout_s: float,
+        halves: Sequence[EngineHalf] = (),
+    ) -> None:
+        """A role's engines are up: hand them to its manager (and the router, if used).
+
+        ``halves``, for a disaggregated role, says of each engine (by index) which half it is
+        and, for a decode engine, the index of its prefill engine; each pair generates a token
+        before the role is attached."""
         manager = self.managers[role]
         handles = [
             EngineHandle(f"{manager.model_id}/{i}", url, role=role, static=role != "rollout")
             for i, url in enumerate(urls)
         ]
+        pair_up(handles, halves, startup_timeout_s)
         router_url = None
         if role == "rollout" and self.config.rollout_route_mode == "router":
             self.router = SGLangRouter(
-                worker_urls=urls,
+                worker_urls=[h.url for h in handles if h.half is None],
+                prefill=[(h.url, h.bootstrap_port) for h in handles if h.half == "prefill"],
+                decode_urls=[h.url for h in handles if h.half == "decode"],
                 log_path=self.log_dir / "router.log",
                 policy=self.config.routing_policy,
             )

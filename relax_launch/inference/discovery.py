@@ -54,14 +54,31 @@ def _check_url(url: str | None) -> str | None:
     return url.rstrip("/")
 
 
+class PrefillRecord(_Strict):
+    """The prefill half a decode engine pairs with (prefill/decode disaggregation): requests go
+    to both, with its bootstrap address (``base_url``'s host, ``bootstrap_port``)."""
+
+    engine_id: str = Field(min_length=1)
+    base_url: str
+    bootstrap_port: int = Field(ge=1, le=65535)
+
+    @field_validator("base_url")
+    @classmethod
+    def _valid_url(cls, url: str) -> str | None:
+        return _check_url(url)
+
+
 class EngineRecord(_Strict):
-    """One logical engine (its head); followers of a multi-rank engine are not listed."""
+    """One logical engine (its head); followers of a multi-rank engine are not listed. A
+    disaggregated pair is listed once, as its decode engine with its ``prefill`` half; it is
+    eligible only while both halves are."""
 
     engine_id: str = Field(min_length=1)
     base_url: str | None
     state: State
     direct_eligible: bool
     generation: int = Field(ge=0, description="Bumped when the engine's process or URL changes.")
+    prefill: PrefillRecord | None = None
 
     @field_validator("base_url")
     @classmethod

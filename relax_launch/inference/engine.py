@@ -62,6 +62,11 @@ class EngineHandle:
     generation: int = 1
     loaded: set[str] = field(default_factory=lambda: set(MEMORY_TAGS))
     history: deque = field(default_factory=lambda: deque(maxlen=64))
+    # prefill/decode disaggregation: which half this engine is, a prefill engine's bootstrap
+    # port, and the prefill engine a decode engine pairs with
+    half: str | None = None
+    bootstrap_port: int | None = None
+    prefill_id: str | None = None
 
     def require_mutable(self, op: str) -> None:
         if self.static and op in WEIGHT_MUTATIONS:

@@ -27,6 +27,12 @@ from starlette.types import Message, Receive, Scope, Send
 
 from relax_launch.inference import admin
 from relax_launch.inference.config import GatewayConfig
+from relax_launch.inference.disaggregation import (
+    PairRequest,
+    PrefillFailed,
+    bootstrapped,
+    with_input_logprobs,
+)
 from relax_launch.inference.discovery import Discovery
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.metrics import GatewayMetrics
@@ -226,17 +232,49 @@ class InferenceGateway:
             raise HTTPException(400, problem)
         if path == "/generate":
             routing = {k: payload.pop(k) for k in ROUTING_FIELDS if k in payload}
-            # byte-faithful unless a routing field has to go
-            forward = orjson.dumps(payload) if routing else request.state.raw_body
+            # byte-faithful unless a routing field has to go or a prefill half needs its address
+            changed = routing or target.prefill is not None
+            forward = orjson.dumps(payload) if changed else request.state.raw_body
         else:
             payload.pop("route_key", None)
             payload["model"] = target.served_model_name
             forward = orjson.dumps(payload)
+        if target.prefill is not None:
+            forward = orjson.dumps(bootstrapped(orjson.loads(forward), target.prefill))
         url = target.base_url + ENGINE_PATHS[path]
         headers = forwarded_headers(request.headers.raw, target.routing_key)
+        return await self._send(target, ENGINE_PATHS[path], url, forward, headers, stream)
+
+    async def _send(
+        self,
+        target: RouteTarget,
+        path: str,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool = False,
+    ) -> Response:
+        """To the engine at ``url``, and to its prefill half alongside when it has one (a
+        prefill failure answers for the pair, naming that engine)."""
+        if target.prefill is None:
+            if stream:
+                return await self.upstream.stream(url, body, headers)
+            return await self.upstream.forward(url, body, headers)
+        pair = PairRequest(
+            self.upstream.session, target.prefill, path, body, headers,
+            self.config.request_timeout_s,
+        )  # fmt: skip
         if stream:
-            return await self.upstream.stream(url, forward, headers)
-        return await self.upstream.forward(url, forward, headers)
+            prefill = pair.prefill_until_failure()
+            return await self.upstream.stream(url, body, headers, partner=prefill)
+        try:
+            reply, prefilled = await pair.alongside(self.upstream.forward(url, body, headers))
+        except PrefillFailed as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        if reply.status_code != 200:
+            return reply
+        kept = {k: v for k, v in reply.headers.items() if k != "content-length"}
+        return Response(with_input_logprobs(reply.body, prefilled, body), 200, kept)
 
     def _route(self, role: str, payload: dict[str, Any], request: Request) -> RouteTarget:
         try:
@@ -278,9 +316,14 @@ class InferenceGateway:
             ) from None
         target = self._route(role, payload, request)  # the model may have gone to sleep meanwhile
         sampling = {**JUDGE_SAMPLING, **(payload.get("sampling_params") or {})}
-        reply = await self.upstream.forward(
+        body = {"text": prompt, "sampling_params": sampling}
+        if target.prefill is not None:
+            body = bootstrapped(body, target.prefill)
+        reply = await self._send(
+            target,
+            "/generate",
             target.base_url + "/generate",
-            orjson.dumps({"text": prompt, "sampling_params": sampling}),
+            orjson.dumps(body),
             forwarded_headers(request.headers.raw, target.routing_key),
         )
         if reply.status_code != 200:

@@ -20,6 +20,7 @@ from relax_launch.inference.discovery import (
     Discovery,
     EngineRecord,
     ModelRecord,
+    PrefillRecord,
     RouteMode,
     RoutingSpec,
     State,
@@ -263,15 +264,9 @@ class InferenceManager:
             return self._published[1]
 
     def _build(self, state: State) -> Discovery:
+        serving = {e.engine_id: e for e in self.serving()}
         engines = tuple(
-            EngineRecord(
-                engine_id=e.engine_id,
-                base_url=e.url,
-                state=state if e.complete or state is not State.READY else State.ONLOADING,
-                direct_eligible=True,
-                generation=e.generation,
-            )
-            for e in self.serving()
+            self._record(e, state, serving) for e in serving.values() if e.half != "prefill"
         )
         model = ModelRecord(
             state=state,
@@ -289,6 +284,35 @@ class InferenceManager:
             phase=self.phase,
             routing=self.routing,
             models={self.model_id: model},
+        )
+
+    def _record(
+        self, engine: EngineHandle, state: State, serving: dict[str, EngineHandle]
+    ) -> EngineRecord:
+        """One logical engine; a decode engine with its prefill half, which must be serving
+        and whole too (a pair with a dead half is not routable)."""
+        halves = [engine]
+        prefill = None
+        if engine.prefill_id is not None:
+            partner = serving.get(engine.prefill_id)
+            if partner is None:
+                state = State.FAILED
+            else:
+                halves.append(partner)
+                prefill = PrefillRecord(
+                    engine_id=partner.engine_id,
+                    base_url=partner.url,
+                    bootstrap_port=partner.bootstrap_port,
+                )
+        if state is State.READY and not all(h.complete for h in halves):
+            state = State.ONLOADING
+        return EngineRecord(
+            engine_id=engine.engine_id,
+            base_url=engine.url,
+            state=state,
+            direct_eligible=True,
+            generation=engine.generation,
+            prefill=prefill,
         )
 
 

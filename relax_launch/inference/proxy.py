@@ -64,17 +64,29 @@ class Upstream:
         returned["content-type"] = reply.headers.get("content-type", "application/json")
         return Response(reply.body, reply.status, returned)
 
-    async def stream(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
-        """POST for an SSE reply; an upstream error before the first byte is an HTTP error."""
+    async def stream(
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        partner: asyncio.Task | None = None,
+    ) -> Response:
+        """POST for an SSE reply; an upstream error before the first byte is an HTTP error.
+        ``partner`` (a disaggregated pair's prefill half) ends only if it fails, which then ends
+        the stream; it is cancelled with the stream."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s)
         try:
             response = await asyncio.wait_for(
                 self.session.post(url, data=body, headers=headers, timeout=timeout), self.timeout_s
             )
         except (TimeoutError, http.TransportError) as exc:
+            if partner is not None:
+                partner.cancel()
             raise self._error(exc, url) from None
         if response.status == 200:
-            return UpstreamStream(response, url, self.timeout_s)
+            return UpstreamStream(response, url, self.timeout_s, partner)
+        if partner is not None:
+            partner.cancel()
         try:
             data = await response.read()
         finally:
@@ -94,8 +106,15 @@ class UpstreamStream(Response):
     the client disconnects (Starlette's StreamingResponse has no deadline and, under uvicorn,
     notices a disconnect only on its next write, which a stalled upstream never makes)."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, url: str, deadline_s: float) -> None:
+    def __init__(
+        self,
+        upstream: aiohttp.ClientResponse,
+        url: str,
+        deadline_s: float,
+        partner: asyncio.Task | None = None,
+    ) -> None:
         self.upstream, self.url, self.deadline_s = upstream, url, deadline_s
+        self.partner = partner
         self.status_code, self.background = 200, None
         content_type = upstream.headers.get("content-type", "text/event-stream")
         # no body set, so no content-length: the reply is chunked, as its length is unknown
@@ -109,15 +128,21 @@ class UpstreamStream(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.upstream.close()  # exactly once, whatever ended the stream
+            if self.partner is not None:
+                self.partner.cancel()
 
     async def _pipe(self, send: Send, receive: Receive) -> None:
         pump = asyncio.ensure_future(_relay(send, self.upstream))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watched = {pump, watcher} | ({self.partner} if self.partner is not None else set())
         try:
             done, _ = await asyncio.wait(
-                {pump, watcher}, timeout=self.deadline_s, return_when=asyncio.FIRST_COMPLETED
+                watched, timeout=self.deadline_s, return_when=asyncio.FIRST_COMPLETED
             )
-            if pump not in done:
+            if self.partner in done:
+                why = self.partner.exception() or "its prefill half ended"
+                log.warning("closing upstream stream %s: %s", self.url, why)
+            elif pump not in done:
                 why = "client disconnected" if watcher in done else "stream deadline passed"
                 log.warning("closing upstream stream %s: %s", self.url, why)
             elif pump.exception() is not None:

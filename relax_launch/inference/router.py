@@ -35,15 +35,21 @@ class SGLangRouter(OwnedProcess):
         log_path: str | Path,
         policy: RoutingPolicy,
         host: str = "127.0.0.1",
+        prefill: list[tuple[str, int]] | None = None,
+        decode_urls: list[str] | None = None,
     ) -> None:
+        """``prefill`` ((URL, bootstrap port) each) and ``decode_urls``: the halves of a
+        disaggregated role, routed in the router's prefill/decode mode (no ``worker_urls``)."""
         self.worker_urls, self.policy = list(worker_urls), policy
+        self.prefill, self.decode_urls = list(prefill or []), list(decode_urls or [])
+        engines = len(self.worker_urls) + len(self.prefill) + len(self.decode_urls)
         # its metrics listener has a fixed default port: two jobs on one host would collide
         self.prometheus_port = free_port(host)
         super().__init__(
             host=host,
             port=None,
             log_path=log_path,
-            what=f"sglang-router ({policy}) for {len(worker_urls)} engines",
+            what=f"sglang-router ({policy}) for {engines} engines",
         )
 
     def choose_ports(self) -> None:
@@ -54,7 +60,8 @@ class SGLangRouter(OwnedProcess):
         """Raises until the router lists every worker as healthy and generates a token."""
         listed = http.call("GET", self.url + "/workers", timeout_s=timeout_s)
         healthy = {w["url"] for w in listed.raise_for_status().json()["workers"] if w["is_healthy"]}
-        missing = set(self.worker_urls) - healthy
+        expected = {*self.worker_urls, *(url for url, _ in self.prefill), *self.decode_urls}
+        missing = expected - healthy
         if missing:
             raise http.TransportError(f"workers not yet registered and healthy: {sorted(missing)}")
         super().probe(timeout_s)
@@ -75,6 +82,15 @@ class SGLangRouter(OwnedProcess):
             self.host,
             "--prometheus-port",
             str(self.prometheus_port),
-            "--worker-urls",
-            *self.worker_urls,
+            *self.workers_args(),
         ]
+
+    def workers_args(self) -> list[str]:
+        if not self.prefill:
+            return ["--worker-urls", *self.worker_urls]
+        args = ["--pd-disaggregation"]
+        for url, bootstrap_port in self.prefill:
+            args += ["--prefill", url, str(bootstrap_port)]
+        for url in self.decode_urls:
+            args += ["--decode", url]
+        return args

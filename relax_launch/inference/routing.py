@@ -17,7 +17,8 @@ import json
 import threading
 from dataclasses import dataclass
 
-from relax_launch.inference.discovery import Discovery, RouteMode, State
+from relax_launch.inference.disaggregation import PrefillTarget
+from relax_launch.inference.discovery import Discovery, PrefillRecord, RouteMode, State
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 RETRY_AFTER_S = 1
@@ -55,6 +56,7 @@ class RouteTarget:
     registry_epoch: str
     topology_revision: int
     routing_key: str | None = None  # sent on to sglang-router (policy affinity only)
+    prefill: PrefillTarget | None = None  # a disaggregated pair's prefill half
 
 
 def _selector(value: object, name: str) -> str | None:
@@ -94,6 +96,12 @@ def rendezvous(role: str, model_id: str, key: str, engine_ids: list[str]) -> str
     return max(engine_ids, key=weight)
 
 
+def prefill_target(record: PrefillRecord | None) -> PrefillTarget | None:
+    if record is None:
+        return None
+    return PrefillTarget.at(record.engine_id, record.base_url, record.bootstrap_port)
+
+
 class RouteResolver:
     """Resolves requests against discovery snapshots; keeps the round-robin cursors."""
 
@@ -122,7 +130,11 @@ class RouteResolver:
             )
 
         def target(
-            base_url: str, engine_id: str | None, generation: int, routing_key: str | None = None
+            base_url: str,
+            engine_id: str | None,
+            generation: int,
+            routing_key: str | None = None,
+            prefill: PrefillRecord | None = None,
         ) -> RouteTarget:
             return RouteTarget(
                 model_id,
@@ -133,6 +145,7 @@ class RouteResolver:
                 snapshot.registry_epoch,
                 snapshot.topology_revision,
                 routing_key,
+                prefill_target(prefill),
             )
 
         if record.route_mode is RouteMode.ROUTER:
@@ -145,7 +158,9 @@ class RouteResolver:
             chosen = engines[rendezvous(snapshot.role, model_id, affinity_key, list(engines))]
         else:
             chosen = list(engines.values())[self._next(snapshot, model_id) % len(engines)]
-        return target(chosen.base_url or "", chosen.engine_id, chosen.generation)
+        return target(
+            chosen.base_url or "", chosen.engine_id, chosen.generation, prefill=chosen.prefill
+        )
 
     def _next(self, snapshot: Discovery, model_id: str) -> int:
         key = (snapshot.role, snapshot.registry_epoch, model_id)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch import http, platform
-from relax_launch.inference.process import OwnedProcess
+from relax_launch.inference import disaggregation
+from relax_launch.inference.process import PROBE, OwnedProcess, free_port
 
 # weight sync's receiver, an SGLang plugin of the project (weights/receiver.py): setup.py's
 # entry point of group sglang.srt.plugins
@@ -54,8 +55,13 @@ class SGLangServer(OwnedProcess):
         dist_init_addr: str | None = None,
         engine: dict[str, Any] | None = None,
         extra_env: dict[str, str] | None = None,
+        disaggregation_half: str | None = None,
     ) -> None:
         self.model_path, self.device = str(model_path), device
+        # "prefill" or "decode": one half of a disaggregated engine pair (its own flags, and a
+        # bootstrap port where a prefill engine's KV transfers are arranged)
+        self.half = disaggregation_half
+        self.bootstrap_port = free_port(host) if self.half == "prefill" else None
         self.extra_env = dict(extra_env or {})
         self.parallel = {"tp_size": tp_size, "pp_size": pp_size, "base_gpu_id": base_gpu_id}
         if nnodes > 1:
@@ -73,6 +79,11 @@ class SGLangServer(OwnedProcess):
             what=f"SGLang server for {self.model_path}",
         )
 
+    def choose_ports(self) -> None:
+        super().choose_ports()
+        if self.half == "prefill":
+            self.bootstrap_port = free_port(self.host)
+
     def command(self) -> list[str]:
         return [
             sys.executable,
@@ -87,10 +98,19 @@ class SGLangServer(OwnedProcess):
             *engine_cli_args(self.parallel),
             *platform.sglang_server_args(self.device),
             *engine_cli_args(self.engine),
+            *engine_cli_args(disaggregation.server_args(self.half, self.bootstrap_port)),
+            *platform.disaggregation_server_args(self.device, self.half),
         ]
 
     def probe(self, timeout_s: float) -> None:
-        if self.node_rank == 0:
+        if self.node_rank == 0 and self.half is not None:
+            # a half generates alone for a request with SGLang's fake bootstrap address (no KV
+            # moves); the pair's own first token is checked once both halves are up
+            body = {**PROBE, **disaggregation.ALONE}
+            http.call(
+                "POST", self.url + "/generate", json=body, timeout_s=timeout_s
+            ).raise_for_status()
+        elif self.node_rank == 0:
             super().probe(timeout_s)
         else:  # a follower node's process serves /health only, once its TP workers joined
             http.call("GET", self.url + "/health", timeout_s=timeout_s).raise_for_status()
@@ -104,6 +124,7 @@ class SGLangServer(OwnedProcess):
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
             **self.extra_env,
         }
+        env |= platform.disaggregation_env(self.device, self.half)
         if self.nnodes > 1:
             # where this node's TP workers are reached by the other nodes' (SGLang's message
             # queues otherwise guess it from the hostname or a route to a public DNS server)

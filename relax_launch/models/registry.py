@@ -25,6 +25,7 @@ class ModelFacts:
     vocab_size: int
     architecture: str = "LlamaForCausalLM"  # config.json's "architectures"[0]; "" when missing
     num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
+    tied_embeddings: bool = field(default=False, compare=False)  # the head is the embedding
     # Why the trainer cannot convert this model (``trainable_problem``); None when it can.
     not_trainable: str | None = field(default=None, compare=False)
 
@@ -48,6 +49,7 @@ BUILTIN_MODELS = {
         num_attention_heads=9,
         num_key_value_heads=3,
         vocab_size=49152,
+        tied_embeddings=True,
     ),
     # The first 4 of SmolLM2's 30 layers with its embeddings and tokenizer: a distillation student.
     "smollm2-student": ModelFacts(
@@ -56,10 +58,11 @@ BUILTIN_MODELS = {
         num_attention_heads=9,
         num_key_value_heads=3,
         vocab_size=49152,
+        tied_embeddings=True,
     ),
     "tiny-llama": ModelFacts(**TINY),
     # Qwen2.5's shape in miniature: q/k/v biases, tied embeddings.
-    "tiny-qwen2": ModelFacts(**TINY, architecture="Qwen2ForCausalLM"),
+    "tiny-qwen2": ModelFacts(**TINY, architecture="Qwen2ForCausalLM", tied_embeddings=True),
     # Qwen3's: q/k RMSNorm, no biases, head_dim (32) != hidden_size / heads (16).
     "tiny-qwen3": ModelFacts(**TINY, architecture="Qwen3ForCausalLM"),
     # Qwen3-MoE's: 4 routed experts, top-2, normalised top-k weights, q/k norms.
@@ -114,6 +117,7 @@ def model_facts(ref: str) -> ModelFacts | None:
         vocab_size=cfg.get("vocab_size", 0),
         architecture=(cfg.get("architectures") or [""])[0],
         num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         not_trainable=trainable_problem(cfg),
     )
 

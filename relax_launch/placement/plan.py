@@ -45,10 +45,17 @@ class EnginePlan:
     pp_size: int
     phase: str
     nodes: tuple[int, ...]
+    disaggregation: str | None = None  # "prefill" or "decode" half of a disaggregated role
 
     @property
     def head_rank(self) -> int:
         return self.ranks[0]
+
+    @property
+    def label(self) -> str:
+        """``rollout engine 1``, ``rollout engine 1 (prefill)``: how messages name it."""
+        half = f" ({self.disaggregation})" if self.disaggregation else ""
+        return f"{self.role} engine {self.index}{half}"
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,13 @@ class PlacementPlan:
 
     def engines_of(self, role: str) -> tuple[EnginePlan, ...]:
         return tuple(e for e in self.engines if e.role == role)
+
+    def prefill_of(self, engine: EnginePlan) -> EnginePlan | None:
+        """The prefill engine a decode engine pairs with: decode i takes prefill i mod count."""
+        if engine.disaggregation != "decode":
+            return None
+        prefills = [e for e in self.engines_of(engine.role) if e.disaggregation == "prefill"]
+        return prefills[engine.index % len(prefills)]
 
     def to_json(self) -> str:
         # Each frozen dataclass serialises as its __dict__: json's C encoder does the walking.

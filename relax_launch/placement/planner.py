@@ -23,6 +23,7 @@ from relax_launch.placement.plan import (
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
+    from relax_launch.inference.config import InferenceRoleConfig
 
 # Inference roles in the order they take rank slices (decoupled, split) and phases (defer).
 SLICE_ORDER = ("rollout", "genrm", "teacher")
@@ -71,9 +72,9 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
     """First global rank of each inference role, after checking the rank budget."""
     roles = job.inference_roles()
     mode = job.placement.mode
-    budget = " + ".join(f"{n}.ranks={roles[n].ranks}" for n in SLICE_ORDER if n in roles)
+    budget = " + ".join(_ranks_field(n, roles[n]) for n in SLICE_ORDER if n in roles)
     if mode == "defer":
-        too_big = [n for n in SLICE_ORDER if n in roles and roles[n].ranks > world]
+        too_big = [n for n in SLICE_ORDER if n in roles and roles[n].total_ranks > world]
         if too_big:
             raise ConfigError(
                 f"placement.mode=defer runs each role on ranks 0.. of the {world}-rank world, but "
@@ -87,7 +88,7 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
     for name in SLICE_ORDER:
         if name in roles:
             starts[name] = offset
-            offset += roles[name].ranks
+            offset += roles[name].total_ranks
     fields = tuple(f"{n}.ranks" for n in roles)
     if mode == "split" and offset > world:
         raise ConfigError(
@@ -107,6 +108,13 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
             ("trainer.ranks", *fields),
         )
     return starts
+
+
+def _ranks_field(name: str, role: InferenceRoleConfig) -> str:
+    """``rollout.ranks=2``; with prefill engines ``(rollout.ranks=1 + rollout.prefill.ranks=1)``."""
+    if role.prefill is None:
+        return f"{name}.ranks={role.ranks}"
+    return f"({name}.ranks={role.ranks} + {name}.prefill.ranks={role.prefill.ranks})"
 
 
 def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
@@ -147,61 +155,83 @@ def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
 
 
 def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[EnginePlan, ...]:
-    engines = []
+    """Every engine, role by role; a disaggregated role's decode engines first (indices 0..),
+    then its prefill engines, on the ranks after them."""
+    engines: list[EnginePlan] = []
     for name in SLICE_ORDER:
         role = job.inference_roles().get(name)
         if role is None:
             continue
-        width = role.ranks_per_engine
-        if name == "rollout" and role.pp_size > 1:
-            raise ConfigError(
-                f"rollout.pp_size={role.pp_size}: weight sync updates tensor-parallel rollout "
-                "engines only (each engine rank must hold whole layers' shards of every stage): "
-                "set rollout.pp_size=1 and use rollout.tp_size instead. "
-                "Teacher and genrm engines, which are never synced, may use pp_size > 1.",
-                ("rollout.pp_size",),
-            )
-        if role.ranks % width:
-            raise ConfigError(
-                f"{name}.ranks={role.ranks} is not a multiple of one engine's {width} ranks "
-                f"({name}.tp_size x {name}.pp_size): set {name}.ranks to a multiple of {width} "
-                "(engines are whole).",
-                (f"{name}.ranks", f"{name}.tp_size"),
-            )
-        for index in range(role.num_engines):
-            first = starts[name] + index * width
-            _check_engine_span(name, index, first, width, per_node)
-            ranks = tuple(range(first, first + width))
-            engines.append(
-                EnginePlan(
-                    role=name,
-                    index=index,
-                    ranks=ranks,
-                    tp_size=role.tp_size,
-                    pp_size=role.pp_size,
-                    phase=_inference_phase(job.placement.mode, name),
-                    nodes=tuple(sorted({r // per_node for r in ranks})),
+        prefill = role.prefill
+        halves = [(name, role, "decode" if prefill is not None else None)]
+        if prefill is not None:
+            halves.append((f"{name}.prefill", prefill, "prefill"))
+        for field, shape, _ in halves:
+            if shape.ranks % shape.ranks_per_engine:
+                width = shape.ranks_per_engine
+                raise ConfigError(
+                    f"{field}.ranks={shape.ranks} is not a multiple of one engine's {width} "
+                    f"ranks ({field}.tp_size x {field}.pp_size): set {field}.ranks to a "
+                    f"multiple of {width} (engines are whole).",
+                    (f"{field}.ranks", f"{field}.tp_size"),
                 )
-            )
+        if prefill is not None:
+            _check_pairs(name, role.num_engines, prefill.num_engines)
+        first = starts[name]
+        for field, shape, disaggregation in halves:
+            width = shape.ranks_per_engine
+            for _ in range(shape.num_engines):
+                _check_engine_span(field, len(engines_of(engines, name)), first, width, per_node)
+                ranks = tuple(range(first, first + width))
+                engines.append(
+                    EnginePlan(
+                        role=name,
+                        index=len(engines_of(engines, name)),
+                        ranks=ranks,
+                        tp_size=shape.tp_size,
+                        pp_size=shape.pp_size,
+                        phase=_inference_phase(job.placement.mode, name),
+                        nodes=tuple(sorted({r // per_node for r in ranks})),
+                        disaggregation=disaggregation,
+                    )
+                )
+                first += width
     return tuple(engines)
 
 
-def _check_engine_span(name: str, index: int, first: int, width: int, per_node: int) -> None:
+def engines_of(engines: list[EnginePlan], role: str) -> list[EnginePlan]:
+    return [e for e in engines if e.role == role]
+
+
+def _check_pairs(name: str, decode_engines: int, prefill_engines: int) -> None:
+    if prefill_engines and decode_engines and decode_engines % prefill_engines == 0:
+        return
+    raise ConfigError(
+        f"{name} has {decode_engines} decode engines ({name}.ranks / ({name}.tp_size x "
+        f"{name}.pp_size)) and {prefill_engines} prefill engines: decode engine i pairs with "
+        f"prefill engine i mod {prefill_engines or 1}, so the prefill engines must divide the "
+        f"decode engines. Change {name}.ranks or {name}.prefill.ranks.",
+        (f"{name}.ranks", f"{name}.prefill.ranks"),
+    )
+
+
+def _check_engine_span(field: str, index: int, first: int, width: int, per_node: int) -> None:
+    name = field.partition(".")[0]
     last = first + width - 1
     if width <= per_node and first // per_node != last // per_node:
         raise ConfigError(
             f"{name} engine {index} (ranks {first}-{last}) would cross a node boundary "
             f"({per_node} ranks per node): change the ranks of the roles placed before it, or "
-            f"{name}.tp_size x {name}.pp_size, so each engine fits inside one node.",
-            (f"{name}.tp_size",),
+            f"{field}.tp_size x {field}.pp_size, so each engine fits inside one node.",
+            (f"{field}.tp_size",),
         )
     if width > per_node and (width % per_node or first % per_node):
         raise ConfigError(
             f"{name} engine {index} spans {width} ranks from rank {first}, but an engine wider "
             f"than a node ({per_node} ranks) must use whole nodes: make "
-            f"{name}.tp_size x {name}.pp_size a multiple of {per_node} and start it on a node "
+            f"{field}.tp_size x {field}.pp_size a multiple of {per_node} and start it on a node "
             "boundary.",
-            (f"{name}.tp_size",),
+            (f"{field}.tp_size",),
         )
 
 

@@ -7,6 +7,8 @@ student's vocabulary) and that named files exist.
 
 from __future__ import annotations
 
+import ctypes.util
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +19,7 @@ from relax_launch.models.registry import (
     builtin_name,
     model_facts,
 )
-from relax_launch.placement.plan import PlacementPlan
+from relax_launch.placement.plan import EnginePlan, PlacementPlan
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -31,8 +33,7 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     filesystem) it is a warning.
     """
     warnings = []
-    models = {"trainer": job.trainer.model, "rollout": job.rollout_model()}
-    models.update({n: r.model for n, r in job.inference_roles().items() if n != "rollout"})
+    models = models_of(job)
     facts: dict[str, ModelFacts] = {}
     for role, ref in models.items():
         found = _facts_or_problem(role, ref, require_models)
@@ -44,12 +45,20 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     for engine_role in job.inference_roles():
         _check_engine_fits(job, plan, engine_role, facts.get(engine_role))
     _check_shared_shapes(facts)
+    _check_kv_transfer(job)
     dataset_problem = _dataset_problem(job.data.dataset)
     if dataset_problem and require_models:
         raise ConfigError(dataset_problem, ("data.dataset",))
     warnings += [dataset_problem] if dataset_problem else []
     notices = (job.precision_notice(), job.off_policy_notice())
     return warnings + [notice for notice in notices if notice]
+
+
+def models_of(job: JobConfig) -> dict[str, str]:
+    """The model reference of the trainer and of each inference role."""
+    models = {"trainer": job.trainer.model, "rollout": job.rollout_model()}
+    models.update({n: r.model for n, r in job.inference_roles().items() if n != "rollout"})
+    return models
 
 
 def _facts_or_problem(role: str, ref: str, require: bool) -> ModelFacts | str:
@@ -140,7 +149,15 @@ def _check_engine_fits(
     engines = plan.engines_of(role)
     if facts is None or not engines:
         return
-    tp, pp = engines[0].tp_size, engines[0].pp_size
+    for engine in {(e.tp_size, e.pp_size, e.disaggregation): e for e in engines}.values():
+        _check_engine_shape(job, role, engine, facts)
+
+
+def _check_engine_shape(job: JobConfig, role: str, engine: EnginePlan, facts: ModelFacts) -> None:
+    """One engine shape of ``role`` (a disaggregated role has two: its decode and prefill
+    engines, named by their own fields)."""
+    tp, pp = engine.tp_size, engine.pp_size
+    role = f"{role}.prefill" if engine.disaggregation == "prefill" else role
     kv = facts.num_key_value_heads
     if facts.num_attention_heads % tp or (kv % tp and tp % kv):
         raise ConfigError(
@@ -152,6 +169,13 @@ def _check_engine_fits(
     if pp > facts.num_layers:
         raise ConfigError(
             f"{role}.pp_size={pp} exceeds the model's {facts.num_layers} layers: lower it.",
+            (f"{role}.pp_size",),
+        )
+    if pp > 1 and facts.tied_embeddings and facts.architecture == "LlamaForCausalLM":
+        raise ConfigError(
+            f"{role} engines with pp_size > 1 cannot serve {models_of(job)[engine.role]!r}: "
+            "SGLang's Llama takes a tied head from the embedding, which its last pipeline "
+            f"stage does not hold. Set {role}.pp_size=1 (and tp_size instead).",
             (f"{role}.pp_size",),
         )
 
@@ -172,6 +196,26 @@ def _check_shared_shapes(facts: dict[str, ModelFacts]) -> None:
             f"{rollout.vocab_size}; on-policy distillation scores the student's tokens with the "
             "teacher, so both must share one tokenizer: pick a teacher of the same family.",
             ("teacher.model",),
+        )
+
+
+def _check_kv_transfer(job: JobConfig) -> None:
+    """Prefill/decode engines move KV caches with Mooncake's transfer engine, whose library
+    loads RDMA's user-space libraries even to speak TCP."""
+    fields = tuple(f"{n}.prefill" for n, r in job.inference_roles().items() if r.prefill)
+    if not fields:
+        return
+    missing = []
+    if importlib.util.find_spec("mooncake") is None:
+        wheel = "-non-cuda" if job.cluster.device == "cpu" else ""
+        missing.append(f"the Python package mooncake-transfer-engine{wheel} (scripts/bootstrap.sh)")
+    if ctypes.util.find_library("ibverbs") is None or ctypes.util.find_library("rdmacm") is None:
+        missing.append("libibverbs1 and librdmacm1 (sudo bash scripts/install_kv_transfer_libs.sh)")
+    if missing:
+        raise ConfigError(
+            f"{', '.join(fields)} moves KV caches with Mooncake's transfer engine, which needs "
+            f"{' and '.join(missing)} on every node: install them, or remove {fields[0]}.",
+            fields,
         )
 
 

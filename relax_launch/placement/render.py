@@ -17,25 +17,34 @@ MAX_PICTURE_RANKS = 256
 _CELL_W, _CELL_H, _LABEL_W, _TOP, _GAP = 76, 40, 96, 48, 6
 
 
-def describe(assignment: RoleAssignment) -> str:
-    """One role of one rank, e.g. ``rollout[e1 head]`` or ``trainer[tp0 pp0 dp1]``."""
+def describe(assignment: RoleAssignment, half: str | None = None) -> str:
+    """One role of one rank, e.g. ``rollout[e1 head]``, ``rollout[e2 head prefill]`` (``half``
+    of a disaggregated role) or ``trainer[tp0 pp0 dp1]``."""
     a = assignment
     if a.role == "trainer":
         ep = f" ep{a.ep_rank}" if a.ep_rank is not None else ""
         return f"trainer[tp{a.tp_rank} pp{a.pp_rank} dp{a.dp_rank}{ep}]"
-    return f"{a.role}[e{a.engine_index} {'head' if a.is_head else f'follower{a.engine_rank}'}]"
+    place = "head" if a.is_head else f"follower{a.engine_rank}"
+    return f"{a.role}[e{a.engine_index} {place}{f' {half}' if half else ''}]"
 
 
-def roles_label(rank: RankPlan) -> str:
+def half_of(plan: PlacementPlan, a: RoleAssignment) -> str | None:
+    """ "prefill"/"decode" for a rank of a disaggregated role's engine, else None."""
+    if a.engine_index is None:
+        return None
+    return plan.engines_of(a.role)[a.engine_index].disaggregation
+
+
+def roles_label(plan: PlacementPlan, rank: RankPlan) -> str:
     """Every role of one rank, e.g. ``trainer[tp0 pp0 dp0], rollout[e0 head]``, or ``idle``."""
-    return ", ".join(describe(a) for a in rank.assignments) or "idle"
+    return ", ".join(describe(a, half_of(plan, a)) for a in rank.assignments) or "idle"
 
 
 def table(plan: PlacementPlan) -> str:
     """The rank map as aligned text, followed by the plan's ``summary``."""
     rows = [("rank", "node", "local", "roles", "phase")]
     for r in plan.ranks:
-        roles = roles_label(r)
+        roles = roles_label(plan, r)
         phases = ", ".join(dict.fromkeys(a.phase for a in r.assignments)) or "-"
         rows.append((str(r.rank), str(r.node), str(r.local_rank), roles, phases))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
@@ -57,9 +66,11 @@ def summary(plan: PlacementPlan) -> str:
         *expert_layout(plan),
     ]
     for e in plan.engines:
+        prefill = plan.prefill_of(e)
+        pair = f" <- prefill engine {prefill.index}" if prefill is not None else ""
         lines.append(
-            f"{e.role} engine {e.index}: ranks {e.ranks[0]}-{e.ranks[-1]} (head {e.head_rank}) "
-            f"tp={e.tp_size} pp={e.pp_size} node(s) {','.join(map(str, e.nodes))}"
+            f"{e.label}: ranks {e.ranks[0]}-{e.ranks[-1]} (head {e.head_rank}) "
+            f"tp={e.tp_size} pp={e.pp_size} node(s) {','.join(map(str, e.nodes))}{pair}"
         )
     lines.append("phase order: " + " -> ".join(plan.phase_order))
     for g in plan.weight_sync_groups:
@@ -119,11 +130,10 @@ def _boxes(plan: PlacementPlan) -> tuple[int, int, list[_Box]]:
             here = [a for a in rank.assignments if a.phase == phase]
             a = here[0] if here else None
             fill = ROLE_COLOURS[a.role] if a else "#eeeeee"
-            label = (
-                ""
-                if a is None
-                else (a.role if a.role == "trainer" else f"{a.role} e{a.engine_index}")
-            )
+            label = "" if a is None else a.role
+            if a is not None and a.role != "trainer":
+                half = half_of(plan, a)
+                label += f" e{a.engine_index}{f' {half[0].upper()}' if half else ''}"
             boxes.append(_Box(x, y, _CELL_W - 4, _CELL_H, fill, label))
     width = _LABEL_W + len(plan.ranks) * _CELL_W + plan.nnodes * _GAP
     height = _TOP + len(plan.phase_order) * (_CELL_H + 4) + 4

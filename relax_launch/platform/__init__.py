@@ -60,6 +60,32 @@ def sglang_server_args(device: Device) -> list[str]:
     return []
 
 
+def disaggregation_server_args(device: Device, half: str | None) -> list[str]:
+    """SGLang flags a prefill/decode half needs on ``device``: on the CPU a decode engine keeps
+    the KV of a request it retracts in plain tensors (its default, a pinned host pool, registers
+    memory with CUDA)."""
+    if device == "cpu" and half == "decode":
+        return ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    return []
+
+
+# set in a CPU prefill engine's environment: its plugin applies ``prefill_without_accelerator``
+PREFILL_ON_CPU_ENV = "RELAX_PREFILL_ON_CPU"
+
+
+def disaggregation_env(device: Device, half: str | None) -> dict[str, str]:
+    """The KV transfer's transport: Mooncake over TCP on the CPU (no RDMA devices there), its
+    own choice (RDMA) on GPUs. A CPU prefill engine sends a cached prefix's KV with the rest of
+    the prompt's, not early (the early send waits on a CUDA event), and takes the stand-in of
+    ``prefill_without_accelerator``."""
+    if device != "cpu" or half is None:
+        return {}
+    env = {"MOONCAKE_PROTOCOL": "tcp"}
+    if half == "prefill":
+        env |= {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0", PREFILL_ON_CPU_ENV: "1"}
+    return env
+
+
 def bind_device(device: Device, local_rank: int) -> None:
     """Call first, before torch.distributed or any allocation: on GPUs each rank owns the GPU of
     its local rank (NCCL communicators and CUDA tensors are then created there, not on GPU 0)."""
@@ -214,6 +240,26 @@ def moe_engine_without_accelerator() -> None:
     }
     for target, function in replaced.items():
         HookRegistry.register(target, function, HookType.REPLACE)
+
+
+def prefill_without_accelerator() -> None:
+    """In a CPU prefill engine (``PREFILL_ON_CPU_ENV``), Mooncake's KV sender computes the pages
+    to send on the host, where they already are: its other path copies them to pinned memory
+    and waits on a CUDA event. SGLang plugin part; elsewhere, nothing changes."""
+    if os.environ.get(PREFILL_ON_CPU_ENV) != "1":
+        return
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    class HostIndexKVSender(MooncakeKVSender):
+        supports_host_tensor_indices = False
+
+    HostIndexKVSender.__name__ = MooncakeKVSender.__name__
+    HookRegistry.register(
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender",
+        HostIndexKVSender,
+        HookType.REPLACE,
+    )
 
 
 def lora_backend(device: Device) -> str:

@@ -58,7 +58,7 @@ Program = Callable[[Session], Any]
 
 
 def role_labels(plan: PlacementPlan) -> dict[int, str]:
-    return {r.rank: roles_label(r) for r in plan.ranks}
+    return {r.rank: roles_label(plan, r) for r in plan.ranks}
 
 
 def build_workers(
@@ -147,8 +147,7 @@ def start_watchdog(
         restarts = None
         if engine.engine.role == "rollout" and job.rollout.fault_tolerance:
             restarts = EngineRestarts(store, engine, job.cluster.startup_timeout_s)
-        what = f"{engine.engine.role} engine {engine.engine.index}"
-        watchdog.watch_engine(what, lambda engine=engine: engine.process, restarts)
+        watchdog.watch_engine(engine.engine.label, lambda engine=engine: engine.process, restarts)
         watchdog.closers.append(engine.close)
     if rank == 0:
         watchdog.on_end = lambda reason, stopped: (end_stopped if stopped else end_in_failure)(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from relax_launch.console import operator_log
+from relax_launch.inference.disaggregation import EngineHalf
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.runtime.control import Command, ControlChannel, Handler, Shutdown
@@ -100,7 +101,11 @@ class Session:
                 urls.append(self._call(command, heads, self.startup_timeout_s)[engine.head_rank])
             self.engine_urls[role] = urls
             if self.control_plane is not None:
-                self.control_plane.attach(role, urls, self.startup_timeout_s)
+                halves = [
+                    EngineHalf(e.disaggregation, getattr(self.plan.prefill_of(e), "index", None))
+                    for e in self.plan.engines_of(role)
+                ]
+                self.control_plane.attach(role, urls, self.startup_timeout_s, halves)
         return self.engine_urls
 
     def plan_roles(self) -> dict[str, None]:
@@ -152,7 +157,7 @@ class Session:
     def startup_report(self) -> dict[str, Any]:
         """Every rank's start-up phases and the critical path, as of now."""
         marks = self._call(StartupMarks(), range(self.plan.world_size))
-        return startup_report(marks, {r.rank: roles_label(r) for r in self.plan.ranks})
+        return startup_report(marks, {r.rank: roles_label(self.plan, r) for r in self.plan.ranks})
 
     def shutdown(self) -> None:
         self._call(Shutdown(), range(self.plan.world_size), timeout_s=30)

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 def describe_rank(plan: PlacementPlan, rank: int) -> str:
     """``rank 2 (rollout[e0 head], node 1)``: how every message names a rank."""
-    return f"rank {rank} ({roles_label(plan.ranks[rank])}, node {plan.ranks[rank].node})"
+    return f"rank {rank} ({roles_label(plan, plan.ranks[rank])}, node {plan.ranks[rank].node})"
 
 
 def describe_exit(code: int) -> str:

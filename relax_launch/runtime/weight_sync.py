@@ -89,8 +89,9 @@ class WeightSync:
         urls = self.urls()
         rollout = self.plan.engines_of("rollout")
         members = tuple(range(len(rollout))) if members is None else members
-        # An engine with one rank holds q/k/v and gate/up fused: send them so, received in place.
-        fused = all(e.tp_size == 1 and e.pp_size == 1 for e in rollout)
+        # An engine of one TP rank (each of its pipeline stages whole layers) holds q/k/v and
+        # gate/up fused: send them so, received in place.
+        fused = all(e.tp_size == 1 for e in rollout)
         offsets, world_size = sync_rank_offsets(rollout[index] for index in members)
         self.sync_targets = [
             EngineTarget(

@@ -229,13 +229,12 @@ class EngineWorker:
         policy_adapter: LoraConfig | None = None,
     ) -> None:
         self.engine, self.node_rank, self.rendezvous = engine, node_rank, rendezvous
-        local_ranks = len(engine.ranks) // len(engine.nodes)  # whole nodes when it spans
         self.scratch, scratch_env = _memory_saver_scratch(colocated)
         self.server = SGLangServer(
             model_path=model_dir,
             device=device,
             host=host,
-            log_path=log_dir / f"{engine.role}-engine{engine.index}{_node_suffix(node_rank)}.log",
+            log_path=log_dir / _log_name(engine, node_rank),
             tp_size=engine.tp_size,
             pp_size=engine.pp_size,
             base_gpu_id=platform.engine_base_device(device, local_rank),
@@ -247,8 +246,9 @@ class EngineWorker:
             | _lora_serving(policy_adapter, device)
             | {"dtype": dtype},
             extra_env=scratch_env
-            | platform.thread_env(device, threads, local_ranks, len(engine.ranks))
+            | platform.thread_env(device, threads, _ranks_here(engine), len(engine.ranks))
             | _lora_env(policy_adapter),
+            disaggregation_half=engine.disaggregation,
         )
 
     def launch(self) -> None:
@@ -274,8 +274,17 @@ class EngineWorker:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _node_suffix(node_rank: int) -> str:
-    return f"-node{node_rank}" if node_rank else ""
+def _ranks_here(engine: EnginePlan) -> int:
+    """The engine's ranks on one of its nodes (whole nodes, when it spans several)."""
+    return len(engine.ranks) // len(engine.nodes)
+
+
+def _log_name(engine: EnginePlan, node_rank: int) -> str:
+    """``rollout-engine1-prefill-node1.log``: the half of a disaggregated role, and the node
+    of an engine spanning nodes, when they apply."""
+    half = f"-{engine.disaggregation}" if engine.disaggregation else ""
+    node = f"-node{node_rank}" if node_rank else ""
+    return f"{engine.role}-engine{engine.index}{half}{node}.log"
 
 
 def _lora_serving(lora: LoraConfig | None, device: platform.Device) -> dict[str, Any]:

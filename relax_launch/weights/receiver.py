@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from relax_launch import platform
 from relax_launch.inference import policy_adapter
+from relax_launch.weights import pipeline_stages
 
 IN_PLACE = "relax_in_place"
 RECEIVER_REPORT = "relax-launch receiver: "  # then the report, as JSON, in the reply's message
@@ -56,15 +58,17 @@ EXPORTER = f"{COMPONENTS}.weight_exporter.WeightExporter"
 def register() -> None:
     """SGLang plugin entry point: wrap the update routes (applied by SGLang's registry); in an
     engine serving the LoRA policy as an adapter, that adapter as every request's default; on
-    the CPU, what MoE models need there."""
+    the CPU, what MoE models and prefill engines need there."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(f"{UPDATER}.receive_weights_from_distributed", receive, HookType.AROUND)
     HookRegistry.register(f"{UPDATER}.load_weights_from_distributed", reported, HookType.AROUND)
     HookRegistry.register(f"{UPDATER}.update_weights_from_tensor", load_bucket, HookType.AROUND)
     HookRegistry.register(f"{EXPORTER}.get_weights_by_name", answer_probe, HookType.AROUND)
+    pipeline_stages.register()  # what pipeline-parallel engines need to take an update
     policy_adapter.register()  # engines that serve a LoRA policy as an adapter only
     platform.moe_engine_without_accelerator()
+    platform.prefill_without_accelerator()
 
 
 def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -88,10 +92,13 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
     names, dtypes, shapes = request["names"], request["dtypes"], request["shapes"]
     alone, packed = broadcast_plan(dtypes, shapes)
     staged, pending, packs = [], [], []
+    elsewhere = 0
     for i in alone:
         dtype = getattr(torch, dtypes[i])
         destination = state.direct(names[i], dtype, shapes[i])
-        if destination is None:
+        if destination is None and state.elsewhere(names[i]):
+            destination, elsewhere = state.discard(dtype, shapes[i], updater.device), elsewhere + 1
+        elif destination is None:
             destination = state.staging(names[i], dtype, shapes[i], updater.device)
             staged.append((names[i], destination))
         pending.append(destination)
@@ -113,12 +120,15 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
             piece = pack[offset : offset + _numel(shapes[i])].view(shapes[i])
             offset += piece.numel()
             destination = state.direct(names[i], pack.dtype, shapes[i])
-            if destination is None:
+            if destination is None and state.elsewhere(names[i]):
+                elsewhere += 1
+            elif destination is None:
                 staged.append((names[i], piece))
             else:
                 destination.copy_(piece)
                 copied += 1
-    report.count(len(names), staged, copied)
+    report.count(len(names) - elsewhere, staged, copied)
+    report.fields["other_stage"] += elsewhere
     return for_load_weights(staged)
 
 
@@ -168,11 +178,15 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
         dtype = getattr(torch, dtype_name)
         source = bucket[offset : offset + nbytes(dtype_name, shape)].view(dtype).view(shape)
         destination = state.direct(name, dtype, shape)
+        if destination is None and state.elsewhere(name):
+            report.fields["other_stage"] += 1
+            continue
         if destination is None:
             staged.append((name, source.to(updater.device)))
         else:
             destination.copy_(source, non_blocking=True)
-    report.count(len(entries), staged, len(entries) - len(staged))
+    kept = len(entries) - report.fields["other_stage"]
+    report.count(kept, staged, kept - len(staged))
     if staged:
         updater.get_model().load_weights(for_load_weights(staged))
     platform.synchronize(bucket.device)  # the trainer reuses the bucket once we answer
@@ -234,6 +248,7 @@ class _Report:
     def __init__(self, state: _ReceiverState) -> None:
         self.state, self.allocated_before = state, state.allocated
         self.fields = {"in_place": 0, "copied": 0, "staged": 0, "staged_bytes": 0}
+        self.fields["other_stage"] = 0  # received and dropped: another pipeline stage's
 
     def count(self, tensors: int, staged: list, copied: int) -> None:
         """``tensors`` of an update: ``copied`` of them from a shared buffer (a pack of small
@@ -259,6 +274,8 @@ class _ReceiverState:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.ties_head = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", 0))
         self.addresses = {name: p.data.data_ptr() for name, p in self.params.items()}
         self.buffers: dict[str, Any] = {}
         self.files: dict[str, Any] = {}  # colocated buckets' shared files, mapped once
@@ -307,6 +324,33 @@ class _ReceiverState:
         if data.dtype != dtype or list(data.shape) != list(shape):
             return None
         return data
+
+    def elsewhere(self, name: str) -> bool:
+        """Whether another pipeline stage of this engine holds tensor ``name``: a decoder layer
+        outside this stage's layers, or a module this stage holds as SGLang's placeholder (the
+        embedding after the first stage, the final norm and head before the last). Every
+        stage receives every tensor of the broadcast and keeps only its own."""
+        inner = getattr(self.model, "model", None)
+        start, end = getattr(inner, "start_layer", None), getattr(inner, "end_layer", None)
+        if start is None or end is None:
+            return False
+        found = re.search(r"\.layers\.(\d+)\.", name)
+        if found:
+            return not start <= int(found.group(1)) < end
+        stem = name.partition("[")[0]
+        if stem in self.params or self.ties_head and "embed_tokens" in stem:
+            return False  # the last stage's head is loaded from the tied embedding
+        module = self.modules.get(stem.rpartition(".")[0])
+        return type(module).__name__ == "PPMissingLayer"
+
+    def discard(self, dtype: Any, shape: list[int], device: Any) -> Any:
+        """Where another stage's tensor is received: one scratch buffer per dtype, grown to
+        the largest such tensor (its contents are never read)."""
+        numel = _numel(shape)
+        key = f"other stages' {dtype}"
+        if key not in self.buffers or self.buffers[key].numel() < numel:
+            self.staging(key, dtype, [numel], device)
+        return self.buffers[key][:numel].view(shape)
 
     def staging(self, name: str, dtype: Any, shape: list[int], device: Any) -> Any:
         import torch

@@ -3,6 +3,8 @@ environment (set by the ``no_process_outlives_the_test`` fixture), orphans inclu
 
 from __future__ import annotations
 
+import time
+
 import psutil
 
 TEST_TAG = "RELAX_TEST_PROCESS_TAG"  # inherited by every process a test starts
@@ -20,3 +22,13 @@ def processes_tagged(tag: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def seconds_until_gone(tag: str, since: float, limit_s: float = 90) -> float:
+    """Seconds from ``since`` (``time.monotonic``) until no process tagged ``tag`` is left;
+    fails naming what is left after ``limit_s``."""
+    while processes_tagged(tag) and time.monotonic() - since < limit_s:
+        time.sleep(0.1)
+    left = [" ".join(p.cmdline())[:80] for p in processes_tagged(tag)]
+    assert not left, f"left after {limit_s} s: {left}"
+    return time.monotonic() - since

@@ -248,3 +248,43 @@ def test_the_moe_example_plans_each_ep_rank_with_its_experts_and_sync_group(tmp_
     sources = [(g.ep_rank, g.source_rank) for g in p.weight_sync_groups]
     assert sources == [(e, e) for e in range(16)]  # each EP rank sends its own experts
     assert [a.ep_rank for r in p.ranks[:16] for a in r.assignments] == list(range(16))
+
+
+def test_the_prefill_decode_example_plans_pairs_and_pipeline_engines(tmp_path):
+    """configs/qwen3_8b_pd_pp_2x8.yaml through ``relax-launch plan``: two decode engines of
+    TP 2 paired with one prefill engine of two pipeline stages, and a teacher of two stages."""
+    import json
+    import subprocess
+    import sys
+
+    qwen3_8b = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 151936,
+    }
+    for name in ("Qwen3-8B", "Qwen3-32B"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(qwen3_8b))
+    cli = Path(sys.executable).with_name("relax-launch")
+    overrides = [
+        f"trainer.model={tmp_path}/Qwen3-8B",
+        f"teacher.model={tmp_path}/Qwen3-32B",
+    ]
+    config = REPO / "configs" / "qwen3_8b_pd_pp_2x8.yaml"
+    shown = subprocess.run(
+        [str(cli), "plan", str(config), *overrides], capture_output=True, text=True, check=True
+    ).stdout
+    assert "8     1     0      rollout[e0 head decode]" in shown
+    assert "12    1     4      rollout[e2 head prefill]" in shown
+    assert "13    1     5      rollout[e2 follower1 prefill]" in shown
+    assert (
+        "rollout engine 0 (decode): ranks 8-9 (head 8) tp=2 pp=1 node(s) 1 <- prefill engine 2"
+        in shown
+    )
+    assert "rollout engine 2 (prefill): ranks 12-13 (head 12) tp=1 pp=2 node(s) 1" in shown
+    assert "teacher engine 0: ranks 14-15 (head 14) tp=1 pp=2 node(s) 1" in shown
+    # every rollout worker of both halves takes the weights: 2 x 2 decode + 2 prefill
+    assert "weight sync pp0: source rank 0 -> 6 rollout worker(s) in 3 engine(s)" in shown

@@ -73,9 +73,36 @@ CASES = {
         ["rollout.ranks_per_engine=2"],
         ["rollout", "ranks_per_engine is not a field", "tp_size: 2"],
     ),
-    "pipeline-parallel rollout engines": (
-        ["rollout.pp_size=2", "rollout.ranks=2"],
-        ["rollout.pp_size=2", "weight sync updates tensor-parallel rollout engines only"],
+    "prefill engines counted in the rank budget": (
+        ["rollout.prefill.ranks=1"],
+        ["(rollout.ranks=2 + rollout.prefill.ranks=1)", "1 rank more"],
+    ),
+    "prefill engines not dividing the decode engines": (
+        ["rollout.ranks=1", "rollout.prefill.ranks=2", "cluster.nproc_per_node=5"],
+        ["1 decode engines", "2 prefill engines", "must divide the decode engines"],
+    ),
+    "prefill ranks not a multiple of a prefill engine": (
+        ["rollout.ranks=1", "rollout.prefill.ranks=1", "rollout.prefill.tp_size=2"],
+        ["rollout.prefill.ranks=1 is not a multiple of one engine's 2 ranks"],
+    ),
+    "prefill engines in a colocated placement": (
+        [*SPLIT, "rollout.ranks=1", "rollout.prefill.ranks=1"],
+        ["rollout.prefill", "needs placement.mode=decoupled", "registers that memory"],
+    ),
+    "prefill engines with fault tolerance": (
+        ["rollout.ranks=1", "rollout.prefill.ranks=1", "rollout.fault_tolerance=true"],
+        ["rollout.prefill", "rollout.fault_tolerance off"],
+    ),
+    "teacher prefill engines in a colocated placement": (
+        [
+            *SPLIT,
+            *TEACHER,
+            "teacher.ranks=1",
+            "teacher.prefill.ranks=1",
+            "rollout.ranks=1",
+            "algorithm.distill_coef=0.1",
+        ],
+        ["teacher.prefill", "needs placement.mode=decoupled"],
     ),
     "ranks not divisible by an engine's width": (
         ["trainer.ranks=1", "rollout.ranks=3", "rollout.tp_size=2"],

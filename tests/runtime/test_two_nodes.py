@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from harness import netns
-from harness.processes import TEST_TAG, processes_tagged
+from harness.processes import TEST_TAG, seconds_until_gone
 
 from relax_launch.commands.launcher import ENTRY_MODULE, torchrun_command
 from relax_launch.config import load_config
@@ -92,11 +92,7 @@ class TwoNodeJob:
         return [json.loads(row) for row in rows]
 
     def seconds_until_gone(self, since: float, limit_s: float = 90) -> float:
-        while processes_tagged(self.tag) and time.monotonic() - since < limit_s:
-            time.sleep(0.1)
-        left = [" ".join(p.cmdline())[:80] for p in processes_tagged(self.tag)]
-        assert not left, f"left after {limit_s} s: {left}"
-        return time.monotonic() - since
+        return seconds_until_gone(self.tag, since, limit_s)
 
 
 def trains_and_syncs_for_three_steps(job: TwoNodeJob, engine_host: str) -> None:

@@ -3,6 +3,8 @@ staged for ``load_weights``, and that staging buffers are kept for the next sync
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 
@@ -53,10 +55,54 @@ def test_matching_tensors_land_in_place_and_the_rest_are_staged_once():
         assert reply == (
             True,
             'Succeeded.; relax-launch receiver: {"in_place": 1, "copied": 0, '
-            '"staged": 2, "staged_bytes": 28, "allocated": 1, "moved": 0}',
+            '"staged": 2, "staged_bytes": 28, "other_stage": 0, "allocated": 1, "moved": 0}',
         )
         again = receive(None, updater, **body)
         assert [t.data_ptr() for _, t in staged] == [t.data_ptr() for _, t in again]  # reused
+    finally:
+        dist.destroy_process_group(group)
+
+
+class PPMissingLayer(torch.nn.Module):
+    """Named as SGLang's placeholder for a module another pipeline stage holds."""
+
+
+class Stage(torch.nn.Module):
+    """The second of two pipeline stages of a two-layer model, as SGLang builds it: layer 1
+    real, layer 0 and the embedding placeholders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.start_layer, self.model.end_layer = 1, 2
+        self.model.embed_tokens = PPMissingLayer()
+        self.model.layers = torch.nn.ModuleList([PPMissingLayer(), torch.nn.Linear(128, 192)])
+
+
+def test_a_pipeline_stage_keeps_its_own_layers_and_drops_the_others():
+    group = custom_group("gloo", "127.0.0.1", free_port(), 1, 0, "receiver-pp-test", 30)
+    try:
+        model = Stage()
+        updater = Updater(model, group)
+        body = request(
+            [
+                "model.embed_tokens.weight",  # the first stage's
+                "model.layers.0.mlp.weight",  # the first stage's layer
+                "model.layers.0.norm.weight",  # small: travels packed
+                "model.layers.1.weight",  # this stage's: in place
+            ],
+            ["float32"] * 4,
+            [[320, 128], [192, 128], [4], [192, 128]],
+        )
+        assert receive(None, updater, **body) == []  # nothing for load_weights
+        _, message = reported(lambda updater, named: (True, "Succeeded."), updater, [])
+        report = json.loads(message.partition("receiver: ")[2])
+        assert (report["in_place"], report["staged"], report["other_stage"]) == (1, 0, 3)
+        state = receiver_state(updater)
+        assert not state.elsewhere("model.layers.1.weight")
+        model.config = type("Config", (), {"tie_word_embeddings": True})()
+        state.__init__(model)  # a tied head: the last stage loads it from the embedding
+        assert not state.elsewhere("model.embed_tokens.weight")
     finally:
         dist.destroy_process_group(group)
 

@@ -1,0 +1,178 @@
+"""A prefill/decode pair behind the gateway and the direct client, over two scripted upstreams
+(real HTTP servers): each request reaches both halves with the prefill engine's bootstrap
+address and one room, the decode half's reply is the answer (with the prompt's logprobs from
+the prefill half when asked), a failing prefill half answers for the pair at once, and a pair
+with a lost half is not routable. The real engines: ``tests/rl/test_pd_job.py``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import orjson
+import pytest
+from conftest import make_manager, serve
+from fake_upstream import FakeUpstream
+
+from relax_launch import http
+from relax_launch.inference.client import InferenceClient
+from relax_launch.inference.disaggregation import with_input_logprobs
+from relax_launch.inference.discovery import State
+from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.process import free_port
+from relax_launch.inference.router import SGLangRouter
+from relax_launch.inference.routing import ModelUnavailable, RouteResolver
+
+BOOTSTRAP_PORT = 43210
+GREEDY = {"input_ids": [5, 17], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def second() -> FakeUpstream:
+    upstream = FakeUpstream().start()
+    yield upstream
+    upstream.stop()
+
+
+@pytest.fixture
+def halves(upstream: FakeUpstream, second: FakeUpstream) -> tuple[FakeUpstream, FakeUpstream]:
+    """(decode, prefill) upstreams, reset."""
+    second.reset()
+    return upstream, second
+
+
+def pair_manager(decode_url: str, prefill_url: str):
+    manager = make_manager("rollout", [], ready=False)
+    decode = EngineHandle("m/0", decode_url, role="rollout", static=False, half="decode")
+    decode.prefill_id = "m/1"
+    prefill = EngineHandle("m/1", prefill_url, role="rollout", static=False, half="prefill")
+    prefill.bootstrap_port = BOOTSTRAP_PORT
+    manager.attach([decode, prefill])
+    manager.weights_valid = True
+    return manager
+
+
+def bodies(upstream: FakeUpstream) -> list[dict]:
+    return [json.loads(r["body"]) for r in upstream.requests]
+
+
+def test_a_request_reaches_both_halves_with_one_bootstrap_room(halves):
+    decode, prefill = halves
+    manager = pair_manager(f"{decode.url}/d", f"{prefill.url}/p")
+    with serve({"rollout": manager}) as url:
+        reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=30)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        chatted = httpx.post(f"{url}/rollout/v1/chat/completions", json=chat, timeout=30)
+        with httpx.stream(
+            "POST", f"{url}/rollout/v1/completions", json={"prompt": "a", "stream": True}
+        ) as streamed:
+            chunks = b"".join(streamed.iter_bytes())
+    assert reply.status_code == 200 and reply.json()["path"] == "/d/generate"
+    assert chatted.status_code == 200 and chatted.json()["path"] == "/d/v1/chat/completions"
+    assert chunks.endswith(b"data: [DONE]\n\n")  # the decode half's stream
+    assert [r["path"] for r in prefill.requests] == [
+        "/p/generate",
+        "/p/v1/chat/completions",
+        "/p/v1/completions",
+    ]
+    for sent_decode, sent_prefill in zip(bodies(decode), bodies(prefill), strict=True):
+        assert sent_decode == sent_prefill  # the same request, one room
+        assert sent_decode["bootstrap_host"] == "127.0.0.1"
+        assert sent_decode["bootstrap_port"] == BOOTSTRAP_PORT
+    rooms = [b["bootstrap_room"] for b in bodies(decode)]
+    assert len(set(rooms)) == 3  # a fresh room per request
+
+
+def test_a_failing_prefill_half_answers_for_the_pair_at_once(halves):
+    decode, prefill = halves
+    decode.reset("slow")  # the decode half would answer after 5 s
+    prefill.reset("error_400")
+    manager = pair_manager(f"{decode.url}/d", f"{prefill.url}/p")
+    with serve({"rollout": manager}) as url:
+        began = time.monotonic()
+        reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=30)
+        seconds = time.monotonic() - began
+    assert reply.status_code == 400 and seconds < 4, (reply.text, seconds)
+    assert "prefill engine m/1" in reply.json()["error"]["message"]
+
+
+def test_an_unreachable_prefill_half_is_a_502_naming_it(upstream):
+    gone = f"http://127.0.0.1:{free_port()}"
+    manager = pair_manager(f"{upstream.url}/d", gone)
+    with serve({"rollout": manager}) as url:
+        reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=30)
+        with httpx.stream(
+            "POST", f"{url}/rollout/generate", json={**GREEDY, "stream": True}, timeout=30
+        ) as streamed:
+            streamed.read()  # the decode half's stream ends when its prefill half failed
+    assert reply.status_code == 502 and f"prefill engine m/1 ({gone})" in reply.text
+
+
+def test_the_direct_client_sends_to_both_halves(halves):
+    decode, prefill = halves
+    manager = pair_manager(f"{decode.url}/d", f"{prefill.url}/p")
+    client = InferenceClient(
+        "http://unused", "rollout", direct=True, snapshot_provider=manager.snapshot
+    )
+    try:
+        assert client.generate(GREEDY)["path"] == "/d/generate"
+        with client.stream("/generate", GREEDY) as chunks:
+            assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+    finally:
+        client.close()
+    assert [r["path"] for r in prefill.requests] == ["/p/generate", "/p/generate"]
+    assert bodies(decode)[0]["bootstrap_room"] == bodies(prefill)[0]["bootstrap_room"]
+
+
+def test_discovery_lists_the_pair_once_and_a_lost_half_takes_it_out(upstream):
+    manager = pair_manager(f"{upstream.url}/d", f"{upstream.url}/p")
+    (record,) = manager.snapshot().models["m"].engines
+    assert record.engine_id == "m/0" and record.direct_eligible
+    assert record.prefill.engine_id == "m/1" and record.prefill.bootstrap_port == BOOTSTRAP_PORT
+    target = RouteResolver().resolve(manager.snapshot())
+    assert (target.prefill.bootstrap_host, target.prefill.url) == ("127.0.0.1", f"{upstream.url}/p")
+    manager.engine_lost("m/1", "its server died")
+    (record,) = manager.snapshot().models["m"].engines
+    assert record.state is State.FAILED and not record.direct_eligible and record.prefill is None
+    with pytest.raises(ModelUnavailable, match="no ready engine"):
+        RouteResolver().resolve(manager.snapshot())
+
+
+def test_the_prompt_logprobs_come_from_the_prefill_half_when_asked():
+    decoded = {"text": "x", "meta_info": {"input_token_logprobs": [], "id": "d"}}
+    prefilled = {"meta_info": {"input_token_logprobs": [[-1.0, 5], [-2.0, 17]]}}
+    reply = http.Reply(200, {}, orjson.dumps(prefilled))
+    asked = orjson.dumps({**GREEDY, "return_logprob": True})
+    merged = orjson.loads(with_input_logprobs(orjson.dumps(decoded), reply, asked))
+    assert merged["meta_info"] == {"input_token_logprobs": [[-1.0, 5], [-2.0, 17]], "id": "d"}
+    batch = orjson.dumps([decoded, decoded])
+    both = orjson.loads(
+        with_input_logprobs(batch, http.Reply(200, {}, orjson.dumps([prefilled] * 2)), asked)
+    )
+    assert [m["meta_info"]["input_token_logprobs"] for m in both] == [[[-1.0, 5], [-2.0, 17]]] * 2
+    untouched = orjson.dumps(decoded)
+    assert with_input_logprobs(untouched, reply, orjson.dumps(GREEDY)) == untouched
+    assert with_input_logprobs(untouched, None, asked) == untouched
+    assert with_input_logprobs(b'{"error": "x"}', reply, asked) == b'{"error": "x"}'
+
+
+def test_sglang_router_routes_a_pair_in_its_prefill_decode_mode(tmp_path):
+    router = SGLangRouter(
+        worker_urls=[],
+        prefill=[("http://127.0.0.1:31100", 31190)],
+        decode_urls=["http://127.0.0.1:31200"],
+        log_path=tmp_path / "router.log",
+        policy="round_robin",
+    )
+    args = router.command()
+    assert "--worker-urls" not in args
+    pd = args[args.index("--pd-disaggregation") :]
+    assert pd == [
+        "--pd-disaggregation",
+        "--prefill",
+        "http://127.0.0.1:31100",
+        "31190",
+        "--decode",
+        "http://127.0.0.1:31200",
+    ]

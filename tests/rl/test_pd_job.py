@@ -1,0 +1,236 @@
+"""Prefill/decode disaggregation and pipeline-parallel rollout engines, for real: RL jobs of the
+tiny Llama whose rollout is served by a prefill engine and a decode engine (SGLang's
+disaggregation, the KV cache moved by Mooncake over TCP), or by one engine of two pipeline
+stages, train 3 steps with the trainer's logprobs equal to the engine's after every sync.
+
+The prefill/decode job then keeps serving (its reward is slow from step 4) while the test sends
+native, OpenAI chat (SSE too) and completions requests through the gateway to the pair, reads
+the pair in discovery and the version both halves serve, and SIGKILLs the prefill engine's
+server: the job ends, naming it, and leaves no process.
+
+The parity check can fail on a half that missed a version: the first token of every answer is
+sampled by the prefill engine (its logprob comes back with the decode engine's), the others by
+the decode engine, and one step at this learning rate moves the tiny model's logprobs by far
+more than the tolerance (checked: the pair's logprobs at the last version against the
+initial model's, computed by transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from harness.processes import TEST_TAG, processes_tagged, seconds_until_gone
+from test_rl_job import run_tiny
+
+from relax_launch.models.build import ensure_model
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).parents[2]
+CONFIG = REPO / "configs" / "pd_cpu.yaml"
+TOLERANCE = 1e-4  # fp32 trainer vs fp32 engine
+SLOW_REWARD = "reward.sources=[{name: slow, function: 'slow_reward:slow'}]"
+ALL_GONE_S = 30.0
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    complete = path.read_text().split("\n")[:-1] if path.is_file() else []
+    return [json.loads(line) for line in complete]
+
+
+def assert_parity_after_every_sync(steps: list[dict]) -> None:
+    assert [s["weight_version"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        print(f"step {s['step']}: logprob_diff_max {s['logprob_diff_max']:.2e}")
+        assert s["logprob_diff_max"] <= TOLERANCE
+        assert s["sync/staged_tensors"] == 0  # received in place, on both halves' ranks
+
+
+class PdJob:
+    """``relax-launch run`` of the prefill/decode config, kept serving by a slow 4th step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.tag = run_dir, os.environ[TEST_TAG]
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "tests" / "runtime"),  # the slow reward
+            "RELAX_TEST_REWARD_LOG": str(run_dir.parent / "rewards.jsonl"),
+            "RELAX_TEST_SLOW_FROM": "4",
+            "RELAX_TEST_SLOW_S": "300",
+        }
+        args = [f"logging.dir={run_dir}", "algorithm.num_steps=4", SLOW_REWARD]
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).with_name("relax-launch")), "run", str(CONFIG), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+
+    def wait_for_steps(self, steps: int, timeout_s: float = 300) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while len(found := rows(self.run_dir)) < steps:
+            assert self.process.poll() is None, self.process.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, f"no {steps} steps within {timeout_s} s"
+            time.sleep(0.2)
+        return found
+
+    def prefill_server(self) -> int:
+        """The PID of the prefill engine's SGLang launcher (its server's process group)."""
+        for p in processes_tagged(self.tag):
+            command = " ".join(p.cmdline())
+            if "sglang.launch_server" in command and "--disaggregation-mode prefill" in command:
+                return p.pid
+        raise LookupError("no prefill server among the job's processes")
+
+    def seconds_until_gone(self, since: float, limit_s: float = 90) -> float:
+        return seconds_until_gone(self.tag, since, limit_s)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def initial_logprobs(ids: list[int], prompt_length: int) -> torch.Tensor:
+    """The starting tiny Llama's logprob of each token after the prompt (transformers, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_model("builtin:tiny-llama")))
+    logits = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    positions = torch.arange(prompt_length - 1, len(ids) - 1)
+    return logits[positions, torch.tensor(ids[prompt_length:])]
+
+
+def check_requests_through_the_pair(gateway: str) -> None:
+    """Native generation (with the prompt's logprobs, computed by the prefill half), OpenAI chat,
+    streamed chat and completions, all through the gateway to the pair."""
+    prompt = [5, 17, 42, 99, 7]
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
+    native = httpx.post(f"{gateway}/rollout/generate", json=body, timeout=60)
+    assert native.status_code == 200, native.text
+    meta = native.json()["meta_info"]
+    assert meta["weight_version"] == "3" and len(meta["output_token_logprobs"]) == 6
+    assert len(meta["input_token_logprobs"]) == len(prompt)
+    served = torch.tensor([lp for lp, *_ in meta["output_token_logprobs"]])
+    moved = (served - initial_logprobs(prompt + native.json()["output_ids"], len(prompt))).abs()
+    print(f"logprobs moved by training (3 versions): max {moved.max():.2e}")
+    assert moved.max() > 100 * TOLERANCE  # a half serving old weights fails the parity
+    # one token (how the teacher scores): the decode half answers as soon as the KV arrives,
+    # and the prompt's logprobs still come from the prefill half's reply
+    body["sampling_params"]["max_new_tokens"] = 1
+    scored = httpx.post(f"{gateway}/rollout/generate", json=body, timeout=60).json()
+    assert len(scored["meta_info"]["input_token_logprobs"]) == len(prompt)
+    client = openai.OpenAI(base_url=f"{gateway}/rollout/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    fixed = {"max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    reply = client.chat.completions.create(model=model, messages=messages, **fixed)
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 5
+    chunks = list(
+        client.chat.completions.create(model=model, messages=messages, stream=True, **fixed)
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content  # greedy: the same answer, streamed
+    completion = client.completions.create(model=model, prompt="12 plus 7 is", **fixed)
+    assert completion.usage.completion_tokens == 5
+    client.close()
+
+
+def test_prefill_decode_job_trains_serves_and_ends_naming_a_dead_prefill(tmp_path):
+    job = PdJob(tmp_path / "run")
+    try:
+        steps = job.wait_for_steps(3)
+        assert_parity_after_every_sync(steps[:3])
+        gateway = json.loads((job.run_dir / "gateway.json").read_text())["url"]
+        (engine,) = httpx.get(f"{gateway}/rollout/engines").json()["models"]["tiny-llama"][
+            "engines"
+        ]
+        assert engine["state"] == "READY" and engine["prefill"]["bootstrap_port"] > 0
+        halves = [engine["base_url"], engine["prefill"]["base_url"]]
+        # both halves took every version: the sync after step 3 is the one they serve
+        assert [httpx.get(f"{u}/model_info").json()["weight_version"] for u in halves] == [
+            "3",
+            "3",
+        ]
+        check_requests_through_the_pair(gateway)
+        began = time.monotonic()
+        os.killpg(job.prefill_server(), signal.SIGKILL)
+        seconds = job.seconds_until_gone(began)
+        console = job.process.communicate(timeout=60)[0]
+    finally:
+        job.kill()
+    print(f"\nprefill server SIGKILL: all gone in {seconds:.1f} s, exit {job.process.returncode}")
+    assert job.process.returncode not in (0, 75) and seconds < ALL_GONE_S
+    cause = (
+        "rollout engine 1 (prefill) on rank 2 (rollout[e1 head prefill], node 0): its SGLang "
+        "server was killed by SIGKILL"
+    )
+    last = console.strip().splitlines()[-1]
+    assert last.startswith(f"relax-launch: job failed: {cause}; "), console[-3000:]
+    assert "fault_tolerance" not in last  # refused with prefill engines: not offered
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_rollout_engine_takes_every_version(tmp_path):
+    """One rollout engine of two pipeline stages (tied embeddings: the last stage's head is
+    loaded from the embedding each sync); each stage keeps its own layers of every broadcast."""
+    result = run_tiny(
+        CONFIG,
+        f"logging.dir={tmp_path}",
+        "trainer.model=builtin:tiny-qwen2",
+        "rollout.prefill=null",
+        "rollout.ranks=2",
+        "rollout.pp_size=2",
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_parity_after_every_sync(rows(tmp_path))
+
+
+@pytest.mark.slow
+def test_prefill_decode_pair_behind_sglang_router(tmp_path):
+    """Route mode ``router``: sglang-router's own prefill/decode mode sends every rollout
+    request to the pair (a half alone refuses a request without a bootstrap room); the same
+    parity after every sync."""
+    result = run_tiny(CONFIG, f"logging.dir={tmp_path}", "gateway.rollout_route_mode=router")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert_parity_after_every_sync(rows(tmp_path))  # a half alone answers no request
+
+
+@pytest.mark.slow
+def test_teacher_served_by_a_prefill_decode_pair(tmp_path):
+    """On-policy distillation with the teacher disaggregated too: its scoring (the prompt's and
+    answer's logprobs, computed by its prefill half, merged into its decode half's reply) equals
+    the student's own at step 1, where both are the initial model."""
+    teacher = ["teacher.model=builtin:tiny-llama", "teacher.ranks=1", "teacher.prefill.ranks=1"]
+    result = run_tiny(
+        CONFIG,
+        f"logging.dir={tmp_path}",
+        "cluster.nproc_per_node=5",
+        *teacher,
+        "teacher.engine.max_total_tokens=2048",
+        "algorithm.distill_coef=0.01",
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    steps = rows(tmp_path)
+    assert_parity_after_every_sync(steps)
+    kl = [s["reverse_kl"] for s in steps]
+    print("reverse KL to the teacher by step: " + ", ".join(f"{k:.2e}" for k in kl))
+    assert abs(steps[0]["reverse_kl"]) < TOLERANCE  # the same weights, scored by the pair
+    assert abs(steps[-1]["reverse_kl"]) > abs(steps[0]["reverse_kl"])  # the student moved
