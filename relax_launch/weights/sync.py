@@ -172,6 +172,7 @@ class WeightSender:
         self.targets, self.world_size, self.group_name = targets, world_size, group_name
         self.host, self.port, self.backend = host, port, backend
         self.group: dist.ProcessGroup | None = None
+        self._calls: list[Future] = []  # the engines' update requests of the send in progress
         self.control = EngineControl()
         self.device = torch.device("cpu")  # where exported tensors live
 
@@ -223,6 +224,7 @@ class WeightSender:
                 f"sending version {weight_version} failed: {exc}; its broadcast group was dropped"
             )
             _forget_frames(exc)  # their broadcasts would keep the group's connections open
+            self._unblock_refusers()
             self._drop_group()  # the engines still receiving give up (receiver.ABORT_KEY)
             raise error from None
         self._delivered()
@@ -248,7 +250,7 @@ class WeightSender:
         """Ask every engine to receive, then broadcast; returns the engines' requests, and the
         seconds spent exporting and transferring."""
         request = update_request(manifest, self.group_name, weight_version)
-        calls = [
+        calls = self._calls = [
             self.control.submit(
                 t.url, "/update_weights_from_distributed", request, deadline.left("updating")
             )
@@ -328,6 +330,18 @@ class WeightSender:
                         raise (kind or EngineRequestError)(
                             f"{target.label} refused the update: {error}"
                         ) from None
+
+    def _unblock_refusers(self) -> None:
+        """After a failed send, the engines that answered the update with an error tear down
+        their side of the group: they never post the receives of the broadcasts already sent
+        to them, and this side's group, once dropped, would wait for those until its timeout
+        (the whole sync's), holding up the failure's report and the repair. An idle engine's
+        side goes at once, and with it those sends."""
+        for target, call in zip(self.targets, self._calls, strict=False):
+            if call.done() and call.exception() is not None:
+                with contextlib.suppress(EngineRequestError):
+                    body = {"group_name": self.group_name}
+                    self.control.post(target.url, "/destroy_weights_update_group", body, 30)
 
     def _drop_group(self) -> None:
         """Leave the broadcast group after a failed send: the engines still receiving would wait

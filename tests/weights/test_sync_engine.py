@@ -117,9 +117,13 @@ def test_an_engine_that_refuses_the_update_fails_the_sync_at_once_and_keeps_serv
     manifest = [TensorSpec.of(n, t) for n, t in weights.items()]
     try:
         # No update session is open, so SGLang refuses before it joins any broadcast; the sender
-        # sees the refusal while it waits (a deadline would raise a different error).
+        # sees the refusal while it waits (a deadline would raise a different error), and the
+        # broadcasts the engine never received do not hold the failure until the group's
+        # timeout (60 s): the engine tears its side down, which ends them.
+        began = time.monotonic()
         with pytest.raises(WeightSyncError, match="tiny engine refused the update"):
             sender.send(weights.items(), manifest, 7, timeout_s=120)
+        assert time.monotonic() - began < 30
     finally:
         sender.close()
     assert get_json(tiny_server.url, "/model_info", 30)["weight_version"] == label
