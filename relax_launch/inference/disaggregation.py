@@ -4,9 +4,10 @@ through one.
 A disaggregated request goes to both halves at once, the same body carrying the prefill
 engine's bootstrap address and a fresh room number: the prefill engine computes the prompt's KV
 cache and sends it (SGLang's Mooncake transfer) to the decode engine, which generates the answer.
-The decode engine's reply is the request's; the prefill engine's only says whether its half
-went well. A prefill that fails would leave the decode engine waiting for a KV cache that never
-comes, so its failure ends the decode request at once (``paired``).
+The decode engine's reply is the request's; the prefill engine's says whether its half went
+well and holds the prompt's logprobs, merged in when they were asked for. A prefill that fails
+would leave the decode engine waiting for a KV cache that never comes, so its failure ends the
+decode request at once (``PairRequest``).
 """
 
 from __future__ import annotations
