@@ -45,8 +45,9 @@ from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
+from relax_launch.weights.broadcast_group import custom_group
 from relax_launch.weights.colocated import BucketSender
-from relax_launch.weights.sync import TensorSpec, WeightSender, custom_group, dtype_name
+from relax_launch.weights.sync import TensorSpec, WeightSender, dtype_name
 from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
 
 REPEATS = 5

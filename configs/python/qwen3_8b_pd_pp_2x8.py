@@ -13,7 +13,7 @@ config = qwen3_math(
     rollout=RolloutConfig(
         ranks=4,
         tp_size=2,
-        prefill=PrefillConfig(ranks=2, pp_size=2),
+        prefill=PrefillConfig(ranks=2, tp_size=2),
         engine={"mem_fraction_static": 0.85},
     ),
     teacher=TeacherConfig(model=QWEN3_32B, ranks=2, pp_size=2),

@@ -320,6 +320,11 @@ def _rollout_disaggregation_clashes(job: JobConfig) -> dict[str, tuple[bool, str
             job.trainer.lora is not None and job.trainer.lora.engines == "adapter",
             "both halves would have to load each adapter version",
         ),
+        "rollout.pp_size=1 and rollout.prefill.pp_size=1": (
+            job.rollout.pp_size > 1 or job.rollout.prefill.pp_size > 1,
+            "SGLang's prefill and decode loops pass requests between pipeline stages in an "
+            "order of their own, which the weight sync's relay to every stage does not keep yet",
+        ),
     }
 
 

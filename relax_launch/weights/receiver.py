@@ -137,9 +137,9 @@ def wait_unless_aborted(work: Any, group: Any) -> None:
     group's store, or is gone with it): then raise, so this engine is free again."""
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from relax_launch.weights.broadcast_group import group_store
 
-    store = dist.distributed_c10d._world.pg_map[group][1]
+    store = group_store(group)
     while True:
         try:
             work.wait(timedelta(seconds=WATCH_S))

@@ -42,6 +42,7 @@ from relax_launch.inference.engine import (
     EngineRequestError,
 )
 from relax_launch.inference.server import RECEIVER_PLUGIN
+from relax_launch.weights.broadcast_group import custom_group, group_store
 from relax_launch.weights.receiver import (
     ABORT_KEY,
     IN_PLACE,
@@ -332,16 +333,12 @@ class WeightSender:
                         ) from None
 
     def _unblock_refusers(self) -> None:
-        """After a failed send, the engines that answered the update with an error tear down
-        their side of the group: they never post the receives of the broadcasts already sent
-        to them, and this side's group, once dropped, would wait for those until its timeout
-        (the whole sync's), holding up the failure's report and the repair. An idle engine's
-        side goes at once, and with it those sends."""
+        """After a failed send, the engines that refused the update (idle: no receive posted)
+        destroy their side of the group, which ends the broadcasts sent to them; this side's
+        group, once dropped, would otherwise wait for those until its timeout (the sync's)."""
         for target, call in zip(self.targets, self._calls, strict=False):
             if call.done() and call.exception() is not None:
-                with contextlib.suppress(EngineRequestError):
-                    body = {"group_name": self.group_name}
-                    self.control.post(target.url, "/destroy_weights_update_group", body, 30)
+                self._destroy_engine_side(target)
 
     def _drop_group(self) -> None:
         """Leave the broadcast group after a failed send: the engines still receiving would wait
@@ -363,13 +360,14 @@ class WeightSender:
         broken = self.group is None
         self._drop_group()
         for target in [] if broken else self.targets:
-            try:
-                self.control.post(
-                    target.url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30
-                )
-            except EngineRequestError:
-                pass  # the engine is gone or stopping, or never joined: nothing to tear down
+            self._destroy_engine_side(target)
         self.control.close()
+
+    def _destroy_engine_side(self, target: EngineTarget) -> None:
+        # an engine gone or stopping, or that never joined, has nothing to tear down
+        with contextlib.suppress(EngineRequestError):
+            body = {"group_name": self.group_name}
+            self.control.post(target.url, "/destroy_weights_update_group", body, 30)
 
 
 def _forget_frames(error: BaseException | None) -> None:
@@ -380,32 +378,3 @@ def _forget_frames(error: BaseException | None) -> None:
         seen.add(id(error))
         error.__traceback__ = None
         error = error.__cause__ or error.__context__
-
-
-def group_store(group: dist.ProcessGroup) -> dist.Store:
-    """The store a process group was formed through (hosted by its rank 0: the sender)."""
-    return dist.distributed_c10d._world.pg_map[group][1]
-
-
-def custom_group(
-    backend: str,
-    host: str,
-    port: int,
-    world_size: int,
-    rank: int,
-    group_name: str,
-    timeout_s: float,
-) -> dist.ProcessGroup:
-    """A process group outside the default world, built by the same SGLang helper the engines
-    use for their side of it (rank 0 hosts the store); imported here, on the few ranks that
-    send weights, because SGLang's utilities are a heavy import."""
-    from sglang.srt.utils.common import init_custom_process_group
-
-    return init_custom_process_group(
-        backend=backend,
-        init_method=f"tcp://{host}:{port}",
-        timeout=timedelta(seconds=timeout_s),
-        world_size=world_size,
-        rank=rank,
-        group_name=group_name,
-    )

@@ -252,7 +252,7 @@ def test_the_moe_example_plans_each_ep_rank_with_its_experts_and_sync_group(tmp_
 
 def test_the_prefill_decode_example_plans_pairs_and_pipeline_engines(tmp_path):
     """configs/qwen3_8b_pd_pp_2x8.yaml through ``relax-launch plan``: two decode engines of
-    TP 2 paired with one prefill engine of two pipeline stages, and a teacher of two stages."""
+    TP 2 paired with one prefill engine of TP 2, and a teacher of two pipeline stages."""
     import json
     import subprocess
     import sys
@@ -284,7 +284,7 @@ def test_the_prefill_decode_example_plans_pairs_and_pipeline_engines(tmp_path):
         "rollout engine 0 (decode): ranks 8-9 (head 8) tp=2 pp=1 node(s) 1 <- prefill engine 2"
         in shown
     )
-    assert "rollout engine 2 (prefill): ranks 12-13 (head 12) tp=1 pp=2 node(s) 1" in shown
+    assert "rollout engine 2 (prefill): ranks 12-13 (head 12) tp=2 pp=1 node(s) 1" in shown
     assert "teacher engine 0: ranks 14-15 (head 14) tp=1 pp=2 node(s) 1" in shown
     # every rollout worker of both halves takes the weights: 2 x 2 decode + 2 prefill
     assert "weight sync pp0: source rank 0 -> 6 rollout worker(s) in 3 engine(s)" in shown

@@ -89,6 +89,16 @@ CASES = {
         [*SPLIT, "rollout.ranks=1", "rollout.prefill.ranks=1"],
         ["rollout.prefill", "needs placement.mode=decoupled", "registers that memory"],
     ),
+    "pipeline-parallel halves of a rollout pair": (
+        [
+            "rollout.ranks=1",
+            "rollout.prefill.ranks=1",
+            "cluster.nproc_per_node=5",
+            "rollout.prefill.pp_size=2",
+            "rollout.prefill.ranks=2",
+        ],
+        ["rollout.prefill", "rollout.pp_size=1 and rollout.prefill.pp_size=1"],
+    ),
     "prefill engines with fault tolerance": (
         ["rollout.ranks=1", "rollout.prefill.ranks=1", "rollout.fault_tolerance=true"],
         ["rollout.prefill", "rollout.fault_tolerance off"],

@@ -6,8 +6,8 @@ finished step into the run directory (``checkpoint.dir`` is unset), exits 75 and
 process; the resumed run scores the prompts of the abandoned step first. The seconds from the
 signal until the last process is gone are printed (``-s``) beside the step's length.
 
-``decoupled`` and ``defer`` run in the default suite; the other schedules (one-step off-policy,
-fully asynchronous, split, agentic) are marked slow.
+``decoupled`` runs in the default suite; ``defer`` (every role handed back before the stop) and
+the other schedules (one-step off-policy, fully asynchronous, split, agentic) are marked slow.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def test_a_decoupled_job_stops_within_seconds_of_a_signal_and_resumes_where_it_s
     stop_twice_and_resume(HERE / "stop_decoupled_tiny.yaml", tmp_path)
 
 
+@pytest.mark.slow
 def test_a_defer_job_hands_every_role_back_before_it_stops(tmp_path):
     result = stop_twice_and_resume(HERE / "stop_defer_tiny.yaml", tmp_path)
     events = [

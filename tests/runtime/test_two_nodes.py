@@ -153,7 +153,7 @@ def test_an_engine_spanning_two_nodes_on_loopback(tmp_path):
 @pytest.mark.parametrize(
     "what",
     [
-        "node 1's agent",
+        pytest.param("node 1's agent", marks=pytest.mark.slow),
         pytest.param("node 1", marks=pytest.mark.slow),  # every process of node 1 at once
         pytest.param("node 0", marks=pytest.mark.slow),  # the master: the store goes with it
     ],

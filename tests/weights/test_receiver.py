@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from relax_launch.inference.process import free_port
+from relax_launch.weights.broadcast_group import custom_group
 from relax_launch.weights.receiver import IN_PLACE, checkpoint_names, receive, reported
 from relax_launch.weights.receiver import _receiver_state as receiver_state
-from relax_launch.weights.sync import custom_group
 
 
 class Model(torch.nn.Module):
