@@ -29,6 +29,7 @@ TRANSFER_BACKEND = "mooncake"
 # (its warm-up and health checks); the readiness probe of a half uses it too.
 ALONE = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}
 _rooms = random.SystemRandom()
+PREFILL_GRACE_S = 1.0  # how long a pair's answer waits for its prefill half's own reply
 T = TypeVar("T")
 
 
@@ -112,10 +113,15 @@ class PairRequest:
                 if prefill_call in done:
                     prefill_call.result()  # raises PrefillFailed
             reply = decode_call.result()
-            if not wants_input_logprobs(self.body) or not _answered(reply):
+            if not _answered(reply):
                 return reply, None
-            # the decode half answered once the KV came: its prefill half is answering too
-            return reply, await asyncio.wait_for(prefill_call, self.timeout_s)
+            if wants_input_logprobs(self.body):  # the decode half answered once the KV came:
+                return reply, await asyncio.wait_for(prefill_call, self.timeout_s)
+            # its prefill half is answering too: let it, briefly (its reply is only a report)
+            await asyncio.wait({prefill_call}, timeout=PREFILL_GRACE_S)
+            if prefill_call.done() and not prefill_call.cancelled():
+                prefill_call.exception()  # a late failure: the decode half's answer stands
+            return reply, None
         finally:
             for call in (prefill_call, decode_call):
                 call.cancel()
