@@ -102,11 +102,19 @@ def test_an_unreachable_prefill_half_is_a_502_naming_it(upstream):
     manager = pair_manager(f"{upstream.url}/d", gone)
     with serve({"rollout": manager}) as url:
         reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=30)
+        upstream.reset("hang_after_first")  # the decode half's stream would never end alone
+        began = time.monotonic()
         with httpx.stream(
             "POST", f"{url}/rollout/generate", json={**GREEDY, "stream": True}, timeout=30
         ) as streamed:
-            streamed.read()  # the decode half's stream ends when its prefill half failed
+            streamed.read()  # ended by the gateway once its prefill half failed
+        seconds = time.monotonic() - began
     assert reply.status_code == 502 and f"prefill engine m/1 ({gone})" in reply.text
+    assert seconds < 10, seconds
+    deadline = time.monotonic() + 5
+    while upstream.disconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.disconnects == 1  # the decode half's stream was closed, not left open
 
 
 def test_the_direct_client_sends_to_both_halves(halves):
