@@ -22,6 +22,7 @@ class RoleAssignment:
     pp_rank: int | None = None
     dp_rank: int | None = None
     ep_rank: int | None = None  # with expert parallelism only
+    cp_rank: int | None = None  # with context parallelism only
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,13 @@ class EnginePlan:
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """Megatron's grid over the trainer ranks (tp fastest, then dp, then pp).
+    """Megatron's grid over the trainer ranks (tp fastest, then cp, then dp, then pp).
 
-    Expert parallelism splits each data-parallel group's ranks: a MoE layer's experts are
-    divided over ``ep_size`` consecutive DP ranks (EP rank = DP rank mod ep_size), which the
-    experts' own data parallelism (DP rank // ep_size) then replicates.
+    Context-parallel ranks (``cp_size``) hold slices of the same sequences: a data-parallel
+    rank's shard goes to all of them. Expert parallelism splits each data-parallel group's
+    ranks: a MoE layer's experts are divided over ``ep_size`` consecutive DP ranks (EP rank =
+    DP rank mod ep_size), which the experts' own data parallelism (DP rank // ep_size) then
+    replicates.
     """
 
     ranks: tuple[int, ...]
@@ -74,28 +77,37 @@ class TrainerLayout:
     phase: str
     ep_size: int = 1
     num_experts: int = 0  # routed experts per MoE layer (0: dense, or not known when planned)
+    cp_size: int = 1
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, dp_rank, pp_rank) of a global trainer rank."""
         local = rank - self.ranks[0]  # trainer ranks are contiguous
         return (
             local % self.tp_size,
-            (local // self.tp_size) % self.dp_size,
-            local // (self.tp_size * self.dp_size),
+            (local // (self.tp_size * self.cp_size)) % self.dp_size,
+            local // (self.tp_size * self.cp_size * self.dp_size),
         )
 
+    def cp_rank(self, rank: int) -> int:
+        return ((rank - self.ranks[0]) // self.tp_size) % self.cp_size
+
+    def rank_at(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        """The global rank at these grid coordinates."""
+        return self.ranks[tp + self.tp_size * (cp + self.cp_size * (dp + self.dp_size * pp))]
+
     def pp_stage_source(self, pp_rank: int, ep_rank: int = 0) -> int:
-        """The global rank (tp 0, dp ``ep_rank``) that sends pipeline stage ``pp_rank``'s weights
-        (with expert parallelism: EP rank ``ep_rank``'s experts, and with EP rank 0 the rest)."""
-        return self.ranks[(pp_rank * self.dp_size + ep_rank) * self.tp_size]
+        """The global rank (tp 0, cp 0, dp ``ep_rank``) that sends pipeline stage ``pp_rank``'s
+        weights (with expert parallelism: EP rank ``ep_rank``'s experts, and with EP rank 0 the
+        rest)."""
+        return self.rank_at(0, ep_rank, pp_rank)
 
     def ep_rank(self, rank: int) -> int:
         return self.coordinates(rank)[1] % self.ep_size
 
     def exports(self, rank: int) -> bool:
         """Whether ``rank`` takes part in exporting the weights (TP gathers): the first
-        replica of each expert-parallel rank's experts (DP rank < ep_size)."""
-        return self.coordinates(rank)[1] < self.ep_size
+        replica of each expert-parallel rank's experts (DP rank < ep_size, CP rank 0)."""
+        return self.coordinates(rank)[1] < self.ep_size and self.cp_rank(rank) == 0
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,12 @@ def _ranks_field(name: str, role: InferenceRoleConfig) -> str:
 def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
     cfg = job.trainer
     num = cfg.ranks if job.placement.mode == "decoupled" else world
-    if num % (cfg.tp_size * cfg.pp_size):
+    if num % (cfg.tp_size * cfg.cp_size * cfg.pp_size):
         raise ConfigError(
-            f"trainer tp_size x pp_size = {cfg.tp_size} x {cfg.pp_size} does not divide the "
-            f"{num} trainer ranks: choose sizes whose product divides {num}.",
-            ("trainer.tp_size", "trainer.pp_size"),
+            f"trainer tp_size x cp_size x pp_size = {cfg.tp_size} x {cfg.cp_size} x "
+            f"{cfg.pp_size} does not divide the {num} trainer ranks: choose sizes whose product "
+            f"divides {num}.",
+            ("trainer.tp_size", "trainer.cp_size", "trainer.pp_size"),
         )
     if cfg.tp_size > per_node or per_node % cfg.tp_size:
         raise ConfigError(
@@ -133,7 +134,7 @@ def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
             f"cluster.nproc_per_node={per_node}, and pp_size or data parallelism across nodes.",
             ("trainer.tp_size", "cluster.nproc_per_node"),
         )
-    dp_size = num // (cfg.tp_size * cfg.pp_size)
+    dp_size = num // (cfg.tp_size * cfg.cp_size * cfg.pp_size)
     if dp_size % cfg.ep_size:
         raise ConfigError(
             f"trainer.ep_size={cfg.ep_size} must divide the trainer's data-parallel size "
@@ -151,6 +152,7 @@ def _trainer_layout(job: JobConfig, world: int, per_node: int) -> TrainerLayout:
         phase=phase,
         ep_size=cfg.ep_size,
         num_experts=facts.num_experts if facts is not None else 0,
+        cp_size=cfg.cp_size,
     )
 
 
@@ -237,12 +239,14 @@ def _check_engine_span(field: str, index: int, first: int, width: int, per_node:
 
 def _check_batch(job: JobConfig, trainer: TrainerLayout) -> None:
     samples = job.data.prompts_per_step * job.algorithm.n_samples_per_prompt
-    per_step = trainer.dp_size * job.trainer.micro_batch_size
+    budgeted = job.trainer.max_tokens_per_micro_batch is not None
+    micro = 1 if budgeted else job.trainer.sequences_per_micro_batch
+    per_step = trainer.dp_size * micro
     if samples % per_step:
         raise ConfigError(
             f"a step's {samples} samples (data.prompts_per_step x algorithm.n_samples_per_prompt)"
             f" do not split into micro-batches over {trainer.dp_size} data-parallel trainer "
-            f"ranks x trainer.micro_batch_size={job.trainer.micro_batch_size}: make the sample "
+            f"ranks x trainer.micro_batch_size={micro}: make the sample "
             f"count a multiple of {per_step}.",
             ("data.prompts_per_step", "algorithm.n_samples_per_prompt", "trainer.micro_batch_size"),
         )
@@ -269,9 +273,16 @@ def _rank_plans(
     for rank in trainer.ranks:
         tp, dp, pp = trainer.coordinates(rank)
         ep = trainer.ep_rank(rank) if trainer.ep_size > 1 else None
+        cp = trainer.cp_rank(rank) if trainer.cp_size > 1 else None
         assignments[rank].append(
             RoleAssignment(
-                role="trainer", phase=trainer.phase, tp_rank=tp, pp_rank=pp, dp_rank=dp, ep_rank=ep
+                role="trainer",
+                phase=trainer.phase,
+                tp_rank=tp,
+                pp_rank=pp,
+                dp_rank=dp,
+                ep_rank=ep,
+                cp_rank=cp,
             )
         )
     for engine in engines:

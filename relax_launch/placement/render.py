@@ -22,8 +22,9 @@ def describe(assignment: RoleAssignment, half: str | None = None) -> str:
     of a disaggregated role) or ``trainer[tp0 pp0 dp1]``."""
     a = assignment
     if a.role == "trainer":
+        cp = f" cp{a.cp_rank}" if a.cp_rank is not None else ""
         ep = f" ep{a.ep_rank}" if a.ep_rank is not None else ""
-        return f"trainer[tp{a.tp_rank} pp{a.pp_rank} dp{a.dp_rank}{ep}]"
+        return f"trainer[tp{a.tp_rank}{cp} pp{a.pp_rank} dp{a.dp_rank}{ep}]"
     place = "head" if a.is_head else f"follower{a.engine_rank}"
     return f"{a.role}[e{a.engine_index} {place}{f' {half}' if half else ''}]"
 
@@ -62,6 +63,7 @@ def summary(plan: PlacementPlan) -> str:
         f"mode: {plan.mode}   world: {plan.nnodes} node(s) x {plan.nproc_per_node} = "
         f"{plan.world_size} ranks   plan hash: {plan.stable_hash()}",
         f"trainer: ranks {t.ranks[0]}-{t.ranks[-1]}  tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}"
+        + (f" cp={t.cp_size}" if t.cp_size > 1 else "")
         + (f" ep={t.ep_size}" if t.ep_size > 1 else ""),
         *expert_layout(plan),
     ]

@@ -110,10 +110,11 @@ class ShardChannel:
     """Batch shards from rank 0 to the trainer ranks, per-token results back, over
     torch.distributed (the job's default group: gloo on the CPU, NCCL on GPUs).
 
-    Rank 0 sends data-parallel shard ``d`` to the shard's first rank (tp 0, pp 0 of DP rank
-    ``d``) only, which broadcasts it to its tensor- and pipeline-parallel peers (``peers``, the
-    trainer's model-parallel group); each DP rank's result rank (tp 0 of the last stage) sends its
-    rows back. Rank 0, when it is itself one of those ranks, hands itself its part in memory.
+    Rank 0 sends data-parallel shard ``d`` to the shard's first rank (tp 0, cp 0, pp 0 of DP
+    rank ``d``) only, which broadcasts it to its tensor-, context- and pipeline-parallel peers
+    (``peers``, every trainer rank of that DP rank); each DP rank's result rank (tp 0, cp 0 of
+    the last stage) sends its rows back. Rank 0, when it is itself one of those ranks, hands
+    itself its part in memory.
     Every receive is a torch.distributed op, under the process group's timeout.
     """
 
@@ -122,15 +123,11 @@ class ShardChannel:
         self.held: dict[str, Any] = {}  # rank 0's own shard and result
         self.received_bytes = 0  # what this rank has taken in as a trainer rank
 
-    def _rank_at(self, tp: int, dp: int, pp: int) -> int:
-        tp_size, dp_size = self.layout.tp_size, self.layout.dp_size
-        return self.layout.ranks[tp + tp_size * (dp + dp_size * pp)]
-
     def first_rank(self, dp_rank: int) -> int:
-        return self._rank_at(0, dp_rank, 0)
+        return self.layout.rank_at(0, dp_rank, 0)
 
     def result_rank(self, dp_rank: int) -> int:
-        return self._rank_at(0, dp_rank, self.layout.pp_size - 1)
+        return self.layout.rank_at(0, dp_rank, self.layout.pp_size - 1)
 
     @property
     def dp_rank(self) -> int:

@@ -20,10 +20,11 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    # Megatron's default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp (as the planner).
+    # Megatron's default order tp-cp-ep-dp-pp: tp fastest, then cp, dp, pp (as the planner);
+    # the dense grid's ep is 1 (expert parallelism has its own grid, below).
     grid = HyperCommGrid(
-        [layout.tp_size, 1, layout.dp_size, layout.pp_size],
-        ["tp", "cp", "dp", "pp"],
+        [layout.tp_size, layout.cp_size, 1, layout.dp_size, layout.pp_size],
+        ["tp", "cp", "ep", "dp", "pp"],
         rank_offset=layout.ranks[0],
         backend=backend,
     )
@@ -39,6 +40,8 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
     }
     groups = {name: grid.create_pg(dim) for name, dim in dims.items()}
     trainer_group = grid.create_pg(["tp", "cp", "dp", "pp"])
+    shard_peers = grid.create_pg(["tp", "cp", "pp"])  # the ranks of one data-parallel shard
+    single = grid.create_pg("ep")
     experts = _expert_groups(layout, backend) if layout.ep_size > 1 else None
     embedding, position_embedding = _embedding_groups(grid, backend)
     if dist.get_rank() not in layout.ranks:
@@ -46,9 +49,10 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
     pgc = ProcessGroupCollection(**groups)
     pgc.embd, pgc.pos_embd = embedding, position_embedding
     if experts is None:
-        # A dense model (or EP 1): the expert groups are their dense equivalents, or Megatron's
-        # DDP would call new_group on trainer ranks alone and hang the world.
-        experts = {"ep": groups["cp"], "expt_tp": groups["tp"], "expt_dp": groups["dp"]}
+        # A dense model (or EP 1): the expert groups are their dense equivalents (experts
+        # replicated over data and context parallelism), or Megatron's DDP would call new_group
+        # on trainer ranks alone and hang the world.
+        experts = {"ep": single, "expt_tp": groups["tp"], "expt_dp": groups["dp_cp"]}
         experts |= {"tp_ep": groups["tp"], "tp_ep_pp": groups["mp"]}
     for name, group in experts.items():
         setattr(pgc, name, group)
@@ -59,7 +63,7 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
         None,
         None,
     )
-    pgc.trainer = trainer_group
+    pgc.trainer, pgc.shard_peers = trainer_group, shard_peers
     return pgc
 
 

@@ -213,7 +213,7 @@ def build_rank(
         plan.trainer,
         rank,
         platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
-        pgc.mp if pgc is not None else None,
+        pgc.shard_peers if pgc is not None else None,
     )
     build_workers(job, plan, rank, pgc, shards, workers, clock)
     handlers = {k: v for w in workers for k, v in w.handlers().items()}

@@ -214,7 +214,9 @@ class WeightSync:
         deadline = sync_deadline(self.timeout_s)
         if self.adapters is not None:
             trainer = self.plan.trainer
-            replica0 = [r for r in trainer.ranks if trainer.coordinates(r)[1] == 0]
+            replica0 = [
+                r for r in trainer.ranks if trainer.coordinates(r)[1] == trainer.cp_rank(r) == 0
+            ]
             return [self._load_adapter(weight_version, replica0, deadline)]
         engines = UpdateSession(self.sync_targets, deadline, self.engine_control)
         began = time.monotonic()

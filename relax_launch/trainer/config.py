@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
 
@@ -91,7 +91,36 @@ class TrainerConfig(Section):
         "parallelism (with sequence parallelism on, as Megatron's MoE layer needs). 1 for a "
         "dense model.",
     )
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per micro-batch per DP rank.")
+    cp_size: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel size: each sequence is split over this many ranks (a "
+        "contiguous slice each; every attention layer gathers the keys and values of all of "
+        "them), for sequences longer than one rank should hold. Not with ep_size > 1.",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per micro-batch per DP rank (must divide a DP rank's share of "
+        "the step); unset: 1. Not with max_tokens_per_micro_batch, which sizes micro-batches "
+        "instead.",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget per micro-batch: a DP rank's sequences are grouped by length "
+        "so that each micro-batch computes at most this many tokens (padding included; packed, "
+        "the row's tokens), and the count per micro-batch varies. The loss is per token over the "
+        "whole batch, so the gradient does not depend on the grouping. Unset: micro_batch_size "
+        "sequences each.",
+    )
+    pack_sequences: bool = Field(
+        False,
+        description="Put each micro-batch's sequences end to end in one row, positions "
+        "restarting at each, attention never crossing from one to another (each attends "
+        "within itself), so no padding is computed between them. Best with "
+        "max_tokens_per_micro_batch.",
+    )
     lr: float = Field(1e-6, gt=0, description="Adam learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Adam weight decay.")
     clip_grad: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 turns clipping off.")
@@ -104,3 +133,23 @@ class TrainerConfig(Section):
         description="Train low-rank adapters instead of every weight; lora.engines says how the "
         "rollout engines hold them.",
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_size_micro_batches(self) -> TrainerConfig:
+        if self.max_tokens_per_micro_batch is not None and self.micro_batch_size is not None:
+            raise ValueError(
+                "trainer.micro_batch_size and trainer.max_tokens_per_micro_batch both size "
+                "micro-batches: set one of them (trainer.micro_batch_size=null; the budget "
+                "groups sequences by length)."
+            )
+        if self.cp_size > 1 and self.ep_size > 1:
+            raise ValueError(
+                "trainer.cp_size > 1 with trainer.ep_size > 1 is not supported yet (the experts' "
+                "groups would span context-parallel ranks): use one of them."
+            )
+        return self
+
+    @property
+    def sequences_per_micro_batch(self) -> int:
+        """Fixed micro-batches' size (1 when unset; a token budget sizes them instead)."""
+        return self.micro_batch_size or 1

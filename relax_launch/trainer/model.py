@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from relax_launch.trainer.attention import CoreAttention, use_position_ids
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_conversion import (
     check_checkpoint,
@@ -74,6 +75,11 @@ def transformer_config(shape: ModelShape, section: TrainerConfig) -> Any:
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=section.tp_size,
         pipeline_model_parallel_size=section.pp_size,
+        context_parallel_size=section.cp_size,
+        cp_comm_type="all_gather",  # trainer/attention.py's form of it
+        # micro-batches differ in shape (token budgets, packed rows): stages exchange shapes
+        variable_seq_lengths=section.pp_size > 1,
+        moe_token_dispatcher_type="alltoall",  # the one that takes them (a dense model: inert)
         # The 'native' fused loss takes pg_collection.tp; the unfused one reads global groups.
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
@@ -101,7 +107,6 @@ def moe_config(shape: ModelShape, section: TrainerConfig) -> dict[str, Any]:
         "moe_shared_expert_intermediate_size": moe.shared_expert_size or None,
         "moe_shared_expert_gate": bool(moe.shared_expert_size),
         "moe_grouped_gemm": False,
-        "moe_token_dispatcher_type": "alltoall",
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
         "moe_permute_fusion": False,
@@ -167,6 +172,7 @@ def build_gpt_module(
         )
         if config.sequence_parallel:
             spec = sequence_parallel_norms(spec)
+    spec = with_core_attention(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -181,6 +187,7 @@ def build_gpt_module(
     )
     if shape.rope_type != "default":
         model.rotary_pos_emb.inv_freq = scaled_rope_frequencies(model_dir)
+    use_position_ids(model)
     return model.to(device)  # built on the CPU (use_cpu_initialization)
 
 
@@ -205,6 +212,15 @@ def sequence_parallel_norms(spec: Any) -> Any:
         attention = layer.submodules.self_attention.submodules
         if getattr(attention.q_layernorm, "__name__", "IdentityOp") != "IdentityOp":
             attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    return spec
+
+
+def with_core_attention(spec: Any) -> Any:
+    """A copy of the layer or block ``spec`` whose attention is the trainer's ``CoreAttention``
+    (by position ids: padded, packed and context-parallel rows)."""
+    spec = copy.deepcopy(spec)
+    for layer in getattr(spec, "layer_specs", [spec]):
+        layer.submodules.self_attention.submodules.core_attention = CoreAttention
     return spec
 
 

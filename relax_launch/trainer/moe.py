@@ -122,7 +122,7 @@ class RoutingMonitor:
             engine = torch.zeros_like(chosen)
             routed = sequence_first(batch["routed_experts"], column, self.part)
             engine.scatter_(1, routed.long(), True)
-            trained = sequence_first(batch["mask"][..., None, None] > 0, 0, self.part)[:, 0]
+            trained = sequence_first(batch["trained"][..., None, None] > 0, 0, self.part)[:, 0]
             totals[2 * e + 1] += ((chosen != engine).any(-1) & trained).sum()
             totals[2 * e + 2] += ((dispatched.bool() != engine).any(-1) & trained).sum()
             totals[2 * e + 3] += trained.sum()

@@ -20,12 +20,14 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from relax_launch import platform
+from relax_launch.trainer import micro_batches
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
+from relax_launch.trainer.forward import forward_step
 from relax_launch.trainer.hf_dir import DTYPES, write_shards
 from relax_launch.trainer.hf_export import HFExport
 from relax_launch.trainer.lora import adapters_off, is_adapter, targets_of
-from relax_launch.trainer.losses import MAX_REDUCED, LossSpec, likelihood_loss, policy_loss
+from relax_launch.trainer.losses import MAX_REDUCED, LossSpec
 from relax_launch.trainer.model import (
     build_gpt,
     build_gpt_module,
@@ -33,7 +35,7 @@ from relax_launch.trainer.model import (
     load_hf_checkpoint,
     read_shape,
 )
-from relax_launch.trainer.moe import MoeRouting, moe_routing
+from relax_launch.trainer.moe import moe_routing
 from relax_launch.trainer.offload import PARTS, StateOffloader
 
 SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
@@ -134,7 +136,8 @@ class Trainer:
         self.step += 1
         metrics = {"grad_norm": float(grad_norm or 0.0)}
         if self.moe is not None:  # every rank: the routers are spread over DP and PP ranks
-            metrics |= self.moe.monitor.metrics([self.pgc.dp, self.pgc.pp, self.pgc.tp])
+            groups = [self.pgc.dp, self.pgc.cp, self.pgc.pp, self.pgc.tp]
+            metrics |= self.moe.monitor.metrics(groups)
         if self.is_last_stage:  # the loss exists only where the logits are
             metrics.update(self._batch_metrics(outputs))
         return metrics
@@ -228,14 +231,16 @@ class Trainer:
         """Per-token logprobs of ``tokens[1:]`` for this DP rank's ``shard`` (last stage; else
         None). Dropout is off: the same batch always scores the same."""
         self.offloader.require("logprobs", ("params",))
+        batches = self._micro_batches(shard)
         with evaluating(self.model) as model:
-            outputs = self._schedule(
-                model, self._micro_batches(shard), forward_only=True, spec=LossSpec()
-            )
+            outputs = self._schedule(model, batches, forward_only=True, spec=LossSpec())
         if not self.is_last_stage:
             return None
-        rows = [row for o in outputs for row in o["logprobs"].tolist()]
-        return [row[: len(t) - 1] for row, t in zip(rows, shard.tokens, strict=True)]
+        rows: list[list[float]] = [[] for _ in shard.tokens]
+        for batch, output in zip(batches, outputs, strict=True):
+            for i, row in zip(batch["order"].tolist(), output["logprobs"].tolist(), strict=False):
+                rows[i] = row[: len(shard.tokens[i]) - 1]
+        return rows
 
     def _add_reference_logprobs(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """Score the micro-batches with the frozen initial policy; the loss reads the result
@@ -256,18 +261,36 @@ class Trainer:
                 micro_batch["ref_logprobs"] = output["logprobs"]
 
     def _micro_batches(self, shard: TokenBatch) -> list[dict[str, torch.Tensor]]:
-        """This data-parallel rank's ``shard`` as padded micro-batches of tensors."""
-        micro = self.section.micro_batch_size
-        if len(shard) % micro:
+        """This data-parallel rank's ``shard`` as micro-batches (``trainer/micro_batches.py``):
+        grouped by count or token budget, padded or packed, this CP rank's slice."""
+        section, pgc = self.section, self.pgc
+        micro = section.sequences_per_micro_batch
+        if section.max_tokens_per_micro_batch is None and len(shard) % micro:
             raise ValueError(
                 f"a data-parallel shard of {len(shard)} sequences does not split into "
                 f"micro_batch_size={micro}"
             )
-        multiple = self.pgc.tp.size() if self.model.config.sequence_parallel else 1
-        tensors = {k: v.to(self.torch_device) for k, v in shard.tensors(0, multiple).items()}
-        return [
-            {k: v[i : i + micro] for k, v in tensors.items()} for i in range(0, len(shard), micro)
-        ]
+        # sequence parallelism splits each CP rank's slice over the TP ranks
+        multiple = pgc.cp.size() * (pgc.tp.size() if self.model.config.sequence_parallel else 1)
+        groups = micro_batches.group_sequences(
+            [len(t) - 1 for t in shard.tokens],
+            micro_batch_size=micro,
+            max_tokens=section.max_tokens_per_micro_batch,
+            packed=section.pack_sequences,
+            multiple=multiple,
+        )
+        if self.moe is not None and pgc.ep.size() > 1:  # experts exchange every micro-batch
+            count = torch.tensor(len(groups), device=self.torch_device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pgc.dp)
+            groups = micro_batches.split_to(groups, int(count))
+        built = micro_batches.build(
+            shard,
+            groups,
+            packed=section.pack_sequences,
+            multiple=multiple,
+            cp=(pgc.cp.rank(), pgc.cp.size()),
+        )
+        return [{k: v.to(self.torch_device) for k, v in b.items()} for b in built]
 
     def _schedule(
         self,
@@ -280,7 +303,8 @@ class Trainer:
         outputs on the last pipeline stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        seq, micro = micro_batches[0]["inputs"].shape[1], self.section.micro_batch_size
+        # shapes of the first micro-batch; stages exchange each one's (variable_seq_lengths)
+        micro, seq = micro_batches[0]["inputs"].shape
         extra = {}
         if self.pgc.pp.size() > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -288,12 +312,12 @@ class Trainer:
             extra["p2p_communicator"] = P2PCommunicator(pp_group=self.pgc.pp, config=model.config)
         return get_forward_backward_func(pp_size=self.pgc.pp.size(), vp_size=None)(
             forward_step_func=functools.partial(
-                _forward_step, spec=spec, moe=self.moe, train=not forward_only
+                forward_step, spec=spec, moe=self.moe, train=not forward_only, cp=self.pgc.cp
             ),
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),
-            seq_length=seq,
+            seq_length=seq * self.pgc.cp.size(),
             micro_batch_size=micro,
             forward_only=forward_only,
             pg_collection=self.pgc,
@@ -345,56 +369,3 @@ def evaluating(model: Any) -> Iterator[Any]:
         yield model
     finally:
         model.train()
-
-
-def step_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The model's inputs for one micro-batch: token ids, positions and the causal mask, all on
-    the device of the batch's tensors (the model's)."""
-    inputs = batch["inputs"]
-    seq = inputs.shape[1]
-    positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=inputs.device).triu(1)[None, None]
-    return inputs, positions, causal
-
-
-def micro_batch_loss(
-    batch: dict[str, torch.Tensor], logprobs: torch.Tensor, spec: LossSpec
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss sum, count, detached token sums) of one micro-batch: PPO-clip when it has old
-    logprobs, else weighted likelihood. Megatron adds the sums and counts over micro-batches and
-    data-parallel ranks and divides once (``calculate_per_token_loss``)."""
-    mask = batch["mask"]
-    if "old_logprobs" not in batch:
-        loss_sum, count = likelihood_loss(logprobs, batch["weights"], mask)
-        return loss_sum, count, {"tokens": mask.sum()}
-    return policy_loss(
-        logprobs,
-        batch["old_logprobs"],
-        batch["weights"],
-        mask,
-        spec,
-        ref_logprobs=batch.get("ref_logprobs"),
-    )
-
-
-def _forward_step(
-    data_iterator: Iterator[dict[str, torch.Tensor]],
-    model: Any,
-    spec: LossSpec,
-    moe: MoeRouting | None,
-    train: bool,
-) -> tuple[Any, Any]:
-    batch = next(data_iterator)
-    if moe is not None:  # the engine's routing replayed, the training forward's observed
-        moe.prepare(model, batch, train)
-    token_loss = model(*step_inputs(batch), labels=batch["targets"])  # -logprob
-
-    def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        logprobs = -output.float()
-        loss_sum, count, sums = micro_batch_loss(batch, logprobs, spec)
-        report = {"loss_sum": loss_sum.detach().clone(), "count": count.detach().clone()}
-        report.update(sums, logprobs=logprobs.detach())
-        # Megatron sums the counts in an int tensor: a sequence count is whole, a token count too
-        return loss_sum, count.round().int(), report
-
-    return token_loss, loss_fn

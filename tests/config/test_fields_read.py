@@ -46,7 +46,12 @@ READERS: dict[str, tuple[str, ...]] = {
         "runtime/engines.py",
     ),
     "placement": ("placement/planner.py", "rl/program.py"),
-    "trainer": ("placement/planner.py", "trainer/model.py", "trainer/trainer.py"),
+    "trainer": (
+        "placement/planner.py",
+        "trainer/model.py",
+        "trainer/trainer.py",
+        "trainer/config.py",
+    ),
     "rollout": ROLE_READERS,
     "teacher": ROLE_READERS,
     "genrm": ROLE_READERS,

@@ -156,7 +156,23 @@ CASES = {
     ),
     "trainer TP x PP not dividing its ranks": (
         ["trainer.pp_size=3"],
-        ["tp_size x pp_size = 1 x 3 does not divide the 2 trainer ranks"],
+        ["tp_size x cp_size x pp_size = 1 x 1 x 3 does not divide the 2 trainer ranks"],
+    ),
+    "trainer CP not dividing its ranks": (
+        ["trainer.cp_size=3"],
+        ["tp_size x cp_size x pp_size = 1 x 3 x 1 does not divide the 2 trainer ranks"],
+    ),
+    "micro-batch size beside a token budget": (
+        ["trainer.micro_batch_size=2", "trainer.max_tokens_per_micro_batch=4096"],
+        ["trainer.micro_batch_size and trainer.max_tokens_per_micro_batch", "set one of them"],
+    ),
+    "token budget below the longest sequence": (
+        ["trainer.max_tokens_per_micro_batch=8"],
+        ["trainer.max_tokens_per_micro_batch=8 is below the longest sequence", "raise it"],
+    ),
+    "context and expert parallelism together": (
+        ["trainer.cp_size=2", "trainer.ep_size=2"],
+        ["trainer.cp_size > 1 with trainer.ep_size > 1 is not supported"],
     ),
     "split: same-phase co-residency": (
         [

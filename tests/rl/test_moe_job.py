@@ -2,7 +2,9 @@
 config (experts split over two trainer ranks, routing replay) trains 3 steps, each sync lands
 in the engine's stacked expert weights in place, with engine and trainer computing the same
 logprobs and the same experts for every trained token; its checkpoint exports to the same
-model. Slow variants: Qwen2-MoE, experts over TP, an engine of two TP ranks, colocated."""
+model. The trainer packs each micro-batch's sequences into one row under a token budget.
+Slow variants: context parallelism, Qwen2-MoE, experts over TP, an engine of two TP ranks,
+colocated."""
 
 from __future__ import annotations
 
@@ -30,8 +32,13 @@ def expert_index(name: str) -> int | None:
 
 TP2_WORLD = ["cluster.nproc_per_node=4", "rollout.ranks=2"]
 SPLIT = ["placement.mode=split", "trainer.ranks=null", "cluster.nproc_per_node=2"]
+# token-budget micro-batches of packed rows (the engine's routing packed with its tokens)
+PACKED = ["trainer.micro_batch_size=null", "trainer.max_tokens_per_micro_batch=400"]
+PACKED += ["trainer.pack_sequences=true"]
 CASES = {  # case: (policy, overrides of the config)
-    "qwen3-moe-ep2": ("tiny-qwen3-moe", []),
+    "qwen3-moe-ep2-packed": ("tiny-qwen3-moe", PACKED),
+    # the sequences split over two context-parallel ranks (experts replicated on both)
+    "qwen3-moe-cp2-packed": ("tiny-qwen3-moe", [*PACKED, "trainer.cp_size=2", "trainer.ep_size=1"]),
     "qwen2-moe-ep2": ("tiny-qwen2-moe", []),
     # experts split over TP instead (sequence parallel), synced into two engines
     "qwen3-moe-tp2": ("tiny-qwen3-moe", ["trainer.tp_size=2", "trainer.ep_size=1", *TP2_WORLD]),
@@ -40,10 +47,11 @@ CASES = {  # case: (policy, overrides of the config)
     # colocated: trainer and engine share both ranks, the sync goes by buckets
     "qwen3-moe-ep2-split": ("tiny-qwen3-moe", SPLIT),
 }
-SLOW = [pytest.param(case, marks=pytest.mark.slow) for case in CASES if case != "qwen3-moe-ep2"]
+DEFAULT = "qwen3-moe-ep2-packed"
+SLOW = [pytest.param(case, marks=pytest.mark.slow) for case in CASES if case != DEFAULT]
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe-ep2", *SLOW])
+@pytest.mark.parametrize("case", [DEFAULT, *SLOW])
 def test_moe_job_with_expert_parallelism_and_routing_replay(tmp_path, case):
     model, overrides = CASES[case]
     checkpoints = [f"checkpoint.dir={tmp_path}/checkpoints", "checkpoint.every_steps=3"]

@@ -97,14 +97,15 @@ def controller(client: TrainerClient, layout: TrainerLayout, raw_store) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    first, tp, dp, pp = map(int, sys.argv[2:6])
+    first, tp, dp, pp, cp = map(int, sys.argv[2:7])
     rank = int(os.environ["RANK"])
     store = RecordingStore(init_distributed("cpu", 60))
     world = dist.get_world_size()
-    layout = TrainerLayout(tuple(range(first, first + tp * dp * pp)), tp, pp, dp, "train")
+    ranks = tuple(range(first, first + tp * cp * dp * pp))
+    layout = TrainerLayout(ranks, tp, pp, dp, "train", cp_size=cp)
     pgc = build_trainer_groups(layout, platform.dist_backend("cpu"))
     roles = {r: "trainer" if r in layout.ranks else "controller" for r in range(world)}
-    shards = ShardChannel(layout, rank, "cpu", pgc.mp if pgc is not None else None)
+    shards = ShardChannel(layout, rank, "cpu", pgc.shard_peers if pgc is not None else None)
     channel = ControlChannel(store, rank=rank, roles=roles, timeout_s=60)
     trainer = None
     handlers = {}

@@ -33,12 +33,14 @@ def packed_bytes(batch: TokenBatch) -> int:
     return ids.numel() * ids.element_size() + values.numel() * values.element_size()
 
 
-def run_job(out: Path, first: int, tp: int, dp: int, pp: int, env: dict) -> dict[int, dict]:
-    world = first + tp * dp * pp
+def run_job(
+    out: Path, first: int, tp: int, dp: int, pp: int, cp: int, env: dict
+) -> dict[int, dict]:
+    world = first + tp * cp * dp * pp
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc-per-node", str(world), "--master-port", str(free_port())]
     result = subprocess.run(
-        [*command, str(WORKER), str(out), *map(str, (first, tp, dp, pp))],
+        [*command, str(WORKER), str(out), *map(str, (first, tp, dp, pp, cp))],
         capture_output=True,
         text=True,
         timeout=400,
@@ -49,14 +51,14 @@ def run_job(out: Path, first: int, tp: int, dp: int, pp: int, env: dict) -> dict
 
 
 @pytest.mark.parametrize(
-    ("first", "tp", "dp", "pp"),
-    [(1, 2, 2, 1), (0, 1, 2, 2)],
-    ids=["controller-apart-tp2-dp2", "controller-is-a-trainer-dp2-pp2"],
+    ("first", "tp", "dp", "pp", "cp"),
+    [(1, 2, 2, 1, 1), (0, 1, 2, 2, 1), (1, 1, 2, 1, 2)],
+    ids=["controller-apart-tp2-dp2", "controller-is-a-trainer-dp2-pp2", "controller-apart-cp2-dp2"],
 )
 def test_each_dp_rank_gets_only_its_shard_and_the_store_stays_flat(
-    tmp_path, venv_env, first, tp, dp, pp
+    tmp_path, venv_env, first, tp, dp, pp, cp
 ):
-    reports = run_job(tmp_path, first, tp, dp, pp, venv_env)
+    reports = run_job(tmp_path, first, tp, dp, pp, cp, venv_env)
     controller = reports[0]
     batches = [as_batch(fields) for fields in controller["batches"]]
     # The store: the same keys and bytes after every step; only small records ever put in it.
@@ -64,8 +66,9 @@ def test_each_dp_rank_gets_only_its_shard_and_the_store_stays_flat(
     assert max(r["largest_record"] for r in reports.values()) < SMALL_RECORD
     assert min(packed_bytes(b) for b in batches) > SMALL_RECORD
 
-    layout = TrainerLayout(tuple(range(first, first + tp * dp * pp)), tp, pp, dp, "train")
-    for rank in layout.ranks:  # every TP/PP peer of a DP rank gets that DP rank's shard only
+    ranks = tuple(range(first, first + tp * cp * dp * pp))
+    layout = TrainerLayout(ranks, tp, pp, dp, "train", cp_size=cp)
+    for rank in layout.ranks:  # every TP/CP/PP peer of a DP rank gets that DP rank's shard only
         dp_rank = layout.coordinates(rank)[1]
         mine = [b.shards(dp)[dp_rank] for b in batches]
         assert reports[rank]["shards"] == [as_lists(s) for s in mine], f"rank {rank}"
