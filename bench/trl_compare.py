@@ -47,7 +47,6 @@ CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
 NO_TEACHER = ("teacher=null", "algorithm.distill_coef=0", "cluster.nproc_per_node=3")
 TRL_VERSION = "1.16.0"
 PINS = ROOT / "requirements" / "pins.txt"
-STARTED = time.time()  # for TRL's worker: its own start, before its heavy imports
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -250,14 +249,14 @@ def run_trl(steps: int, work: Path) -> Run:
 # ---- inside TRL's venv ---------------------------------------------------------------------
 
 
-def trl_worker(spec_path: str, started: float) -> None:
+def trl_worker(spec_path: str) -> None:
     """Train with GRPOTrainer as ``spec`` says; write the step clock and per-step metrics."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
-    record: dict[str, Any] = {"started": started, "train_begin": None, "step_end": []}
+    record: dict[str, Any] = {"train_begin": None, "step_end": []}
     config = GRPOConfig(
         **spec["grpo"],
         reward_weights=[weight for _, _, weight in spec["rewards"]],
@@ -377,7 +376,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
-        trl_worker(args.trl_worker, STARTED)
+        trl_worker(args.trl_worker)
         return 0
     begun = time.time()
     with tempfile.TemporaryDirectory(prefix="trl-compare-") as directory:

@@ -115,7 +115,7 @@ def _batch_problems(job: JobConfig) -> list[str]:
     if ranks % (t.tp_size * t.cp_size * t.pp_size):
         return []  # the planner reports the trainer grid itself
     dp = ranks // (t.tp_size * t.cp_size * t.pp_size)
-    micro = 1 if t.max_tokens_per_micro_batch is not None else t.sequences_per_micro_batch
+    micro = t.sequences_per_micro_batch
     samples = job.data.prompts_per_step * job.algorithm.n_samples_per_prompt
     if samples % (dp * micro):
         return [

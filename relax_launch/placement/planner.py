@@ -239,8 +239,7 @@ def _check_engine_span(field: str, index: int, first: int, width: int, per_node:
 
 def _check_batch(job: JobConfig, trainer: TrainerLayout) -> None:
     samples = job.data.prompts_per_step * job.algorithm.n_samples_per_prompt
-    budgeted = job.trainer.max_tokens_per_micro_batch is not None
-    micro = 1 if budgeted else job.trainer.sequences_per_micro_batch
+    micro = job.trainer.sequences_per_micro_batch
     per_step = trainer.dp_size * micro
     if samples % per_step:
         raise ConfigError(

@@ -37,7 +37,7 @@ class Positions:
     ids: torch.Tensor  # [batch, sequence] of this rank's slice
     # per row, (start, end) of each sequence; None: one sequence per row (the fast path)
     sequences: list[list[tuple[int, int]]] | None
-    hidden: torch.Tensor | None = None  # context parallel: [batch, 1, local, whole] True = masked
+    masked: torch.Tensor | None = None  # context parallel: [batch, 1, local, whole] True = masked
 
 
 _POSITIONS: ContextVar[Positions] = ContextVar("positions")
@@ -137,13 +137,13 @@ class CoreAttention(torch.nn.Module):
         """[sequence, batch, heads, dim] queries, keys and values (this rank's slice) ->
         [sequence, batch, heads * dim]."""
         positions = _POSITIONS.get()
-        if positions.hidden is not None:
+        if positions.masked is not None:
             key, value = (gather_sequence(t, self.cp, 0) for t in (key, value))
         repeat = query.shape[2] // key.shape[2]  # grouped-query attention
         key, value = (t.repeat_interleave(repeat, dim=2) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, seq, dim]
-        if positions.hidden is not None:
-            context = self._masked(q, k, v, positions.hidden)
+        if positions.masked is not None:
+            context = self._masked(q, k, v, positions.masked)
         elif positions.sequences is None:
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
@@ -163,7 +163,7 @@ class CoreAttention(torch.nn.Module):
         ]
         return torch.cat(parts, dim=2)
 
-    def _masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: Any) -> Any:
+    def _masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: Any) -> Any:
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
-        probs = scores.masked_fill(hidden, MASKED).softmax(-1).to(v.dtype)
+        probs = scores.masked_fill(masked, MASKED).softmax(-1).to(v.dtype)
         return torch.matmul(probs, v)

@@ -151,5 +151,6 @@ class TrainerConfig(Section):
 
     @property
     def sequences_per_micro_batch(self) -> int:
-        """Fixed micro-batches' size (1 when unset; a token budget sizes them instead)."""
+        """What a DP rank's share of a step must be a multiple of: the fixed micro-batches' size
+        (1 when unset), or 1 under a token budget (which takes any count)."""
         return self.micro_batch_size or 1

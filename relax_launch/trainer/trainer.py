@@ -238,6 +238,7 @@ class Trainer:
             return None
         rows: list[list[float]] = [[] for _ in shard.tokens]
         for batch, output in zip(batches, outputs, strict=True):
+            # an empty micro-batch (``split_to``) has a row of padding and no order
             for i, row in zip(batch["order"].tolist(), output["logprobs"].tolist(), strict=False):
                 rows[i] = row[: len(shard.tokens[i]) - 1]
         return rows
@@ -265,7 +266,7 @@ class Trainer:
         grouped by count or token budget, padded or packed, this CP rank's slice."""
         section, pgc = self.section, self.pgc
         micro = section.sequences_per_micro_batch
-        if section.max_tokens_per_micro_batch is None and len(shard) % micro:
+        if len(shard) % micro:
             raise ValueError(
                 f"a data-parallel shard of {len(shard)} sequences does not split into "
                 f"micro_batch_size={micro}"
@@ -279,7 +280,10 @@ class Trainer:
             packed=section.pack_sequences,
             multiple=multiple,
         )
-        if self.moe is not None and pgc.ep.size() > 1:  # experts exchange every micro-batch
+        # experts exchange tokens in every micro-batch: EP ranks run as many as the most (fixed
+        # micro-batches of equal shards always agree)
+        budgeted = section.max_tokens_per_micro_batch is not None
+        if budgeted and self.moe is not None and pgc.ep.size() > 1:
             count = torch.tensor(len(groups), device=self.torch_device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pgc.dp)
             groups = micro_batches.split_to(groups, int(count))

@@ -71,6 +71,14 @@ def test_split_to_reaches_the_count_with_empty_micro_batches_last():
     assert micro_batches.split_to([[0]], 3) == [[0], [], []]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_empty_micro_batch_is_padding_that_trains_nothing(packed):
+    full, empty = micro_batches.build(batch(), [[0], []], packed=packed, multiple=2)
+    assert empty.keys() == full.keys() - {"gather"}  # the loss reads the same fields
+    assert not empty["mask"].any() and not empty["valid"].any() and empty["order"].numel() == 0
+    assert empty["positions"].tolist() == [[0, 1]]  # one causal sequence: attention is defined
+
+
 def test_a_packed_row_restarts_positions_masks_across_sequences_and_unpacks():
     shard = batch()
     padded, packed = (
