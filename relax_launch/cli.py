@@ -209,6 +209,32 @@ def status_command(run: str, as_json: bool) -> None:
     click.echo(json.dumps(status, indent=2) if as_json else render_status(status))
 
 
+@main.command("top")
+@click.argument("target", metavar="RUN_DIR|URL")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.2), default=2.0, help="Seconds between readings."
+)
+@click.option("--once", is_flag=True, help="Print one reading and exit (no live view).")
+@click.option(
+    "--token-env",
+    default="RELAX_ADMIN_TOKEN",
+    help="Environment variable with the gateway's admin token (reserved engines, operations).",
+)
+def top_command(target: str, interval: float, once: bool, token_env: str) -> None:
+    """A live view of a running job: step, reward, ETA; each engine's state, queue, tokens/s
+    and weight version; scale operations in flight; the last error. Ctrl-C leaves."""
+    from rich.console import Console
+
+    from relax_launch.commands.top import top
+
+    try:
+        top(target, interval_s=interval, once=once, token_env=token_env, console=Console())
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+
+
 @main.command("stop")
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False, exists=True))
 def stop_command(run_dir: str) -> None:

@@ -96,16 +96,25 @@ async def fetch(
         return Reply(r.status, r.headers, await r.read())  # parsed headers outlive the reply
 
 
-def call(method: str, url: str, *, json: Any = None, timeout_s: float) -> Reply:
+def call(
+    method: str,
+    url: str,
+    *,
+    json: Any = None,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+) -> Reply:
     """One blocking request on a connection and an event loop of its own (calls off the hot
     paths); not from a thread that runs an event loop (``await fetch`` there)."""
-    return asyncio.run(_once(method, url, json, timeout_s))
+    return asyncio.run(_once(method, url, json, timeout_s, headers))
 
 
-async def _once(method: str, url: str, json: Any, timeout_s: float) -> Reply:
+async def _once(
+    method: str, url: str, json: Any, timeout_s: float, headers: Mapping[str, str] | None
+) -> Reply:
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as http:
-        return await fetch(http, method, url, json=json, timeout_s=timeout_s)
+        return await fetch(http, method, url, json=json, headers=headers, timeout_s=timeout_s)
 
 
 class Portal:

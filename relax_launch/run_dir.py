@@ -43,7 +43,11 @@ def write_end_record(run_dir: Path, state: str, reason: str, **details: Any) -> 
 
 
 def read_end_record(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / END_RECORD
+    return read_json(run_dir / END_RECORD)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of the run directory, or None while it is missing or half-written."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch import http
-from relax_launch.run_dir import read_end_record
+from relax_launch.run_dir import read_end_record, read_json
 
 GATEWAY_TIMEOUT_S = 3.0
 
@@ -34,7 +34,7 @@ def job_status(run: str) -> dict[str, Any]:
     if end:
         status["end"] = end
     status["last_step"] = _last_line(run_dir / "metrics.jsonl")
-    gateway = _read_json(run_dir / "gateway.json")
+    gateway = read_json(run_dir / "gateway.json")
     if gateway:
         status["gateway"] = gateway["url"]
         if end is None:
@@ -94,13 +94,6 @@ def _get(url: str) -> Any:
         return reply.json() if reply.ok else f"HTTP {reply.status}"
     except (http.TransportError, TimeoutError, ValueError) as exc:
         return f"unreachable ({type(exc).__name__})"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _last_line(path: Path) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "build_config": "relax_launch.config.loading",
     "load_config": "relax_launch.config.loading",
     "with_overrides": "relax_launch.config.loading",
+    "AutoscaleConfig": "relax_launch.inference.config",
     "GatewayConfig": "relax_launch.inference.config",
     "GenRMConfig": "relax_launch.inference.config",
     "InferenceRoleConfig": "relax_launch.inference.config",

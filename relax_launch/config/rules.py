@@ -14,6 +14,31 @@ def cross_section_problems(job: JobConfig) -> list[str]:
     problems += _batch_problems(job) + _fault_tolerance_problems(job)
     problems += _algorithm_problems(job) + _lora_problems(job)
     problems += _disaggregation_problems(job) + _micro_batch_problems(job)
+    return problems + _elastic_problems(job)
+
+
+def _elastic_problems(job: JobConfig) -> list[str]:
+    """Where a role's engines can scale while the job runs (``max_engines``)."""
+    problems = []
+    for name, role in job.inference_roles().items():
+        if role.max_engines is None:
+            continue
+        if job.placement.mode != "decoupled":
+            problems.append(
+                f"{name}.max_engines reserves ranks for engines started on demand, which "
+                f"placement.mode={job.placement.mode} cannot do yet (its roles share every "
+                "rank): remove it or use placement.mode=decoupled."
+            )
+        if role.prefill is not None:
+            problems.append(
+                f"{name}.max_engines with {name}.prefill: a scaled-out engine would need a "
+                "prefill partner of its own; remove one of them."
+            )
+    if job.rollout.max_engines is not None and job.gateway.rollout_route_mode == "router":
+        problems.append(
+            "rollout.max_engines with gateway.rollout_route_mode=router: sglang-router's worker "
+            "list is fixed when it starts; use rollout_route_mode=direct."
+        )
     return problems
 
 

@@ -44,6 +44,9 @@ class AdminRoutes:
         self.managers, self.token, self.token_env = managers, token, token_env
         # split/defer: the coordinator's lease state; it alone moves the roles' memory
         self.leases: Callable[[], dict[str, dict[str, Any]]] | None = None
+        # elastic roles: every engine of the plan (reserved ones too) and its state, and the
+        # scale operation in flight
+        self.scaling: Callable[[str], dict[str, Any]] | None = None
 
     def authorize(self, request: Request) -> None:
         if self.token is None:
@@ -83,7 +86,9 @@ class AdminRoutes:
         return routes
 
     async def engines(self, role: str) -> Response:
-        """Engine URLs, loaded memory tags, recent control operations."""
+        """Engine URLs, loaded memory tags, recent control operations; for an elastic role,
+        every engine of the plan (``replicas``: reserved ones too) and its state, and the scale
+        operation in flight (``operation``)."""
         manager = self.managers[role]
         engines = [
             {
@@ -98,6 +103,8 @@ class AdminRoutes:
         document = {"role": role, "state": manager.state.value, "engines": engines}
         if self.leases is not None:
             document["lease"] = self.leases().get(role)
+        if self.scaling is not None and manager.elastic:
+            document |= self.scaling(role)
         return JSONResponse(document)
 
     async def drain(self, role: str) -> Response:

@@ -69,6 +69,7 @@ class Prepared:
     model_id: str = "-"  # the model it was routed to ("-" when sent through the gateway)
     prefill: PrefillTarget | None = None  # sent to this prefill half too (``disaggregation``)
     path: str = ""  # the engine path, for the prefill half
+    engine_id: str | None = None  # the engine it was routed to (None through a router)
 
     async def post(self, session: aiohttp.ClientSession, timeout_s: float) -> http.Reply:
         """POST it once, its whole reply read (a generation is never sent twice). A prefill
@@ -112,6 +113,7 @@ def engine_request(target: RouteTarget, path: str, payload: dict[str, Any]) -> P
         target.model_id,
         target.prefill,
         engine_path,
+        target.engine_id,
     )
 
 

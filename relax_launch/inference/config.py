@@ -43,6 +43,11 @@ class EngineShape(Section):
         """Engines of this shape (ranks / ranks_per_engine, when it divides)."""
         return self.ranks // self.ranks_per_engine
 
+    @property
+    def reserved_engines(self) -> int:
+        """Engines beyond the planned ones whose ranks wait for a scale-out (none here)."""
+        return 0
+
 
 class PrefillConfig(EngineShape):
     """The prefill engines of a disaggregated role (SGLang's prefill/decode disaggregation)."""
@@ -52,6 +57,35 @@ class PrefillConfig(EngineShape):
     pp_size: int = Field(
         1, ge=1, description="Prefill engine pipeline-parallel size; tp_size x pp_size ranks each."
     )
+
+
+class AutoscaleConfig(Section):
+    """Scale a role's engines with its load: the engines' own queues (SGLang's ``/metrics``)
+    and the requests the gateway and the controller have in flight to them."""
+
+    min_engines: int | None = Field(
+        None, ge=1, description="Fewest engines; default the planned count (ranks / engine size)."
+    )
+    max_engines: int | None = Field(
+        None, ge=1, description="Most engines; default the role's max_engines."
+    )
+    target_queue_per_engine: float = Field(
+        4.0,
+        gt=0,
+        description="Requests per engine (waiting or running) the autoscaler aims at: it wants "
+        "ceil(load / target) engines, load being the engines' queued and running requests or, "
+        "when larger, the requests in flight to them.",
+    )
+    scale_up_window_s: float = Field(
+        10.0, ge=0, description="Scale out once it has wanted more engines for this long."
+    )
+    scale_down_window_s: float = Field(
+        60.0, ge=0, description="Scale in once it has wanted fewer engines for this long."
+    )
+    cooldown_s: float = Field(
+        30.0, ge=0, description="No decision for this long after any scale operation ended."
+    )
+    interval_s: float = Field(1.0, gt=0, description="How often the load is read.")
 
 
 class InferenceRoleConfig(EngineShape):
@@ -88,6 +122,19 @@ class InferenceRoleConfig(EngineShape):
         "pairs with prefill engine i mod (prefill engines), which must divide the decode "
         "engines. placement.mode=decoupled only.",
     )
+    max_engines: int | None = Field(
+        None,
+        ge=1,
+        description="Elastic replicas: the planner reserves ranks for up to this many engines "
+        "(at least the planned ranks / engine size); the extra ones start on demand "
+        "(POST /{role}/scale_out, or autoscale) and stop again (scale_in). A reserved rank "
+        "waits without a server until asked. placement.mode=decoupled only.",
+    )
+    autoscale: AutoscaleConfig | None = Field(
+        None,
+        description="Scale the engines between autoscale.min_engines and max_engines with the "
+        "load; every decision goes to autoscaler.jsonl in the run directory. Needs max_engines.",
+    )
 
     @field_validator("ranks")
     @classmethod
@@ -123,10 +170,45 @@ class InferenceRoleConfig(EngineShape):
         """The id clients use for ``model`` (this role's model reference)."""
         return self.model_id or model.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
 
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> InferenceRoleConfig:
+        if self.max_engines is not None and self.max_engines < self.num_engines:
+            raise ValueError(
+                f"max_engines={self.max_engines} is below the {self.num_engines} planned engines "
+                "(ranks / (tp_size x pp_size)): raise it, or lower ranks"
+            )
+        if self.autoscale is None:
+            return self
+        if self.max_engines is None:
+            raise ValueError("autoscale needs max_engines (the engines it may scale out to)")
+        low, high = self.autoscale_bounds
+        if not self.num_engines <= low <= high <= self.max_engines:
+            raise ValueError(
+                f"autoscale wants {low} to {high} engines, outside the {self.num_engines} planned "
+                f"to max_engines={self.max_engines}: keep {self.num_engines} <= "
+                f"autoscale.min_engines <= autoscale.max_engines <= {self.max_engines}"
+            )
+        return self
+
+    @property
+    def autoscale_bounds(self) -> tuple[int, int]:
+        """(fewest, most) engines the autoscaler keeps."""
+        scale = self.autoscale
+        low = scale.min_engines if scale and scale.min_engines else self.num_engines
+        high = scale.max_engines if scale and scale.max_engines else self.max_engines
+        return low, high or self.num_engines
+
+    @property
+    def reserved_engines(self) -> int:
+        """Engines beyond the planned ones whose ranks wait for a scale-out."""
+        return (self.max_engines or self.num_engines) - self.num_engines
+
     @property
     def total_ranks(self) -> int:
-        """Every rank of the role (with prefill/decode disaggregation, both halves')."""
-        return self.ranks + (self.prefill.ranks if self.prefill is not None else 0)
+        """Every rank of the role: its engines', the reserved ones' (max_engines) and, with
+        prefill/decode disaggregation, the prefill half's."""
+        reserved = self.reserved_engines * self.ranks_per_engine
+        return self.ranks + reserved + (self.prefill.ranks if self.prefill is not None else 0)
 
 
 class RolloutConfig(InferenceRoleConfig):

@@ -55,6 +55,7 @@ def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> I
         drain_timeout_s=timeout_s,
         vocab_size=json.loads((spec.model_dir / "config.json").read_text()).get("vocab_size"),
         fault_tolerant=getattr(spec.section, "fault_tolerance", False),
+        elastic=spec.section.max_engines is not None,
     )
 
 
@@ -121,7 +122,11 @@ class ControlPlane:
         self.managers = {s.role: build_manager(s, gateway, operation_timeout_s) for s in roles}
         renderers = {s.role: chat_renderer(s.model_dir) for s in roles if s.role == "genrm"}
         app = InferenceGateway(
-            self.managers, config=gateway, admin_token=admin_token, renderers=renderers
+            self.managers,
+            config=gateway,
+            admin_token=admin_token,
+            renderers=renderers,
+            run_dir=log_dir,
         )
         self.server = GatewayServer(app, gateway.host, gateway.port)
         # the controller's requests are counted beside the gateway's, on its /metrics
@@ -161,7 +166,9 @@ class ControlPlane:
         before the role is attached."""
         manager = self.managers[role]
         handles = [
-            EngineHandle(f"{manager.model_id}/{i}", url, role=role, static=role != "rollout")
+            EngineHandle(
+                f"{manager.model_id}/{i}", url, role=role, static=role != "rollout", index=i
+            )
             for i, url in enumerate(urls)
         ]
         pair_up(handles, halves, startup_timeout_s)
@@ -182,6 +189,12 @@ class ControlPlane:
         """split/defer: show each role's lease on its admin engines route, and refuse admin
         drain/offload/onload (the coordinator alone moves memory)."""
         self.server.app.admin.leases = leases
+
+    def scaled_by(self, scaler: Any) -> None:
+        """Elastic roles: the scale routes and the admin engines route go to rank 0's
+        ``EngineScaler`` (``runtime/scaling.py``)."""
+        self.server.app.scaling.scaler = scaler
+        self.server.app.admin.scaling = scaler.scaling
 
     def close(self) -> None:
         """Stop routing, keep the final metrics (``gateway_metrics.txt``: the gateway's and the

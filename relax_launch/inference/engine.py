@@ -67,6 +67,7 @@ class EngineHandle:
     half: str | None = None
     bootstrap_port: int | None = None
     prefill_id: str | None = None
+    index: int | None = None  # the engine's index in the plan (its ranks)
 
     def require_mutable(self, op: str) -> None:
         if self.static and op in WEIGHT_MUTATIONS:

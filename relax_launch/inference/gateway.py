@@ -1,11 +1,11 @@
 """InferenceGateway: the job's HTTP front door, a FastAPI app served on rank 0 (see serve.py).
 
-Per role prefix (``/rollout``, ``/genrm``, ``/teacher``): ``POST /generate``,
-``/v1/chat/completions``, ``/chat/completions``, ``/v1/completions``; ``GET /v1/models``,
-``/engines`` (discovery, schema 2), ``/health``; token-guarded ``/admin/*``. At the root:
-``/health`` (liveness), ``/ready``, ``/metrics``, ``/openapi.json`` (FastAPI's, generated from
-the routes and the request models). Handlers stay thin: validate (400 before any engine), route
-(``RouteResolver``), forward (``Upstream``). Every error is ``{"error": {"message", "code"}}``.
+Per role (``/rollout``, ``/genrm``, ``/teacher``): ``POST /generate``, ``/v1/chat/completions``,
+``/chat/completions``, ``/v1/completions``; ``GET /v1/models``, ``/engines`` (discovery, schema
+2), ``/health``; token-guarded ``/admin/*`` and, on an elastic role, ``/scale_out`` and
+``/scale_in`` (``scale_routes.py``). At the root: ``/health``, ``/ready``, ``/metrics``,
+``/job``, ``/openapi.json`` (FastAPI's). Handlers stay thin: validate (400 before any engine),
+route (``RouteResolver``), forward (``Upstream``). Every error is ``{"error": {...}}``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -43,6 +44,7 @@ from relax_launch.inference.requests import (
     CompletionRequest,
     GenerateRequest,
     JsonBodyRoute,
+    vocabulary_problem,
 )
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
@@ -54,6 +56,7 @@ from relax_launch.inference.routing import (
     RouteTarget,
     RoutingError,
 )
+from relax_launch.inference.scale_routes import ScaleRoutes
 
 # Renders judge messages to a prompt with the GenRM model's chat template.
 Renderer = Callable[[list[dict[str, Any]], dict[str, Any]], str]
@@ -77,8 +80,9 @@ class InferenceGateway:
         config: GatewayConfig,
         admin_token: str | None,
         renderers: dict[str, Renderer] | None = None,
+        run_dir: Path | None = None,
     ) -> None:
-        self.managers, self.config = managers, config
+        self.managers, self.config, self.run_dir = managers, config, run_dir
         self.renderers = renderers or {}
         self.resolver, self.metrics = RouteResolver(), GatewayMetrics(managers)
         self.upstream = Upstream(config.request_timeout_s)
@@ -95,6 +99,7 @@ class InferenceGateway:
         self.labels: dict[tuple[str, str], tuple[str, str]] = {}
         self.body_routes: dict[tuple[str, str], JsonBodyRoute] = {}
         self.admin = admin.AdminRoutes(managers, admin_token, config.admin_token_env)
+        self.scaling = ScaleRoutes(self.admin.authorize)
         self._add_root_routes()
         for role in managers:
             self._add_role_routes(role)
@@ -157,6 +162,7 @@ class InferenceGateway:
             ("/health", self._health, (), "Alive (even when no role is ready)"),
             ("/ready", self._ready, ("503",), "Every role is ready"),
             ("/metrics", self._metrics, (), "Prometheus text format"),
+            ("/job", self._job, (), "The job's run directory and roles"),
         ):
             route = APIRoute(
                 path,
@@ -190,6 +196,9 @@ class InferenceGateway:
             self._add(APIRoute(f"/{role}/{name}", bound, methods=["GET"], **docs, **extra), role)
         for route in self.admin.routes(role, self.config.max_body_bytes):
             self._add(route, role)
+        if self.managers[role].elastic:
+            for route in self.scaling.routes(role, self.config.max_body_bytes):
+                self._add(route, role)
 
     async def _error_reply(self, request: Request, exc: StarletteHTTPException) -> Response:
         """Every error in the gateway's envelope, Starlette's own 404 and 405 included."""
@@ -227,6 +236,7 @@ class InferenceGateway:
         vocabulary first."""
         payload: dict[str, Any] = request.state.payload
         target = self._route(role, payload, request)
+        routing = {k: payload[k] for k in ROUTING_FIELDS if k in payload}
         problem = vocabulary_problem(token_ids, self.managers[role].vocab_size)
         if problem is not None:
             raise HTTPException(400, problem)
@@ -241,18 +251,35 @@ class InferenceGateway:
             forward = orjson.dumps(payload)
         if target.prefill is not None:
             forward = orjson.dumps(bootstrapped(orjson.loads(forward), target.prefill))
-        url = target.base_url + ENGINE_PATHS[path]
         headers = forwarded_headers(request.headers.raw, target.routing_key)
-        return await self._send(target, ENGINE_PATHS[path], url, forward, headers, stream)
+        again = partial(self._route, role, routing, request)
+        return await self._send(role, target, ENGINE_PATHS[path], forward, headers, again, stream)
 
     async def _send(
         self,
+        role: str,
         target: RouteTarget,
         path: str,
-        url: str,
         body: bytes,
         headers: dict[str, str],
+        again: Callable[[], RouteTarget],
         stream: bool = False,
+    ) -> Response:
+        """``_send_once``, counted in flight to its engine (a scale-in waits for them); a whole
+        request that failed as a scale-in stopped its engine goes where ``again`` routes."""
+        manager = self.managers[role]
+        while True:
+            url = target.base_url + path
+            try:
+                with manager.requests.track(target.engine_id):
+                    return await self._send_once(target, path, url, body, headers, stream)
+            except HTTPException as exc:
+                if exc.status_code != 502 or stream or not manager.was_retired(url):
+                    raise
+            target = again()
+
+    async def _send_once(
+        self, target: RouteTarget, path: str, url: str, body: bytes, headers: dict, stream: bool
     ) -> Response:
         """To the engine at ``url``, and to its prefill half alongside when it has one (a
         prefill failure answers for the pair, naming that engine)."""
@@ -319,13 +346,9 @@ class InferenceGateway:
         body = {"text": prompt, "sampling_params": sampling}
         if target.prefill is not None:
             body = bootstrapped(body, target.prefill)
-        reply = await self._send(
-            target,
-            "/generate",
-            target.base_url + "/generate",
-            orjson.dumps(body),
-            forwarded_headers(request.headers.raw, target.routing_key),
-        )
+        headers = forwarded_headers(request.headers.raw, target.routing_key)
+        again = partial(self._route, role, payload, request)
+        reply = await self._send(role, target, "/generate", orjson.dumps(body), headers, again)
         if reply.status_code != 200:
             return Response(reply.body, reply.status_code, media_type="application/json")
         try:
@@ -367,18 +390,11 @@ class InferenceGateway:
         retry = {"retry-after": str(RETRY_AFTER_S)}
         return JSONResponse({"ready": False, "roles": roles}, 503, retry)
 
+    async def _job(self) -> Response:
+        """Where the job writes its run directory (``relax-launch top URL`` reads it)."""
+        run_dir = str(self.run_dir) if self.run_dir is not None else None
+        return JSONResponse({"run_dir": run_dir, "roles": sorted(self.managers)})
+
     async def _metrics(self) -> Response:
         """Requests, latency and in-flight by role; model readiness and weight version."""
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def vocabulary_problem(ids: object, vocab_size: int | None) -> str | None:
-    """Why token ``ids`` (one list or a batch of lists) must be refused: an out-of-vocabulary
-    id would crash the engine's embedding lookup. The gateway and the in-process client ask."""
-    if vocab_size is None or not isinstance(ids, list) or not ids or isinstance(ids[0], str):
-        return None
-    rows = ids if isinstance(ids[0], list) else [ids]
-    bad = next(
-        (t for row in rows for t in row if not (isinstance(t, int) and 0 <= t < vocab_size)), None
-    )
-    return None if bad is None else f"token id {bad} is outside the vocabulary [0, {vocab_size})"

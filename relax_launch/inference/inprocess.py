@@ -22,16 +22,17 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import aiohttp
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
-from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer, vocabulary_problem
+from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.requests import vocabulary_problem
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
     RETRY_AFTER_S,
+    ROUTING_FIELDS,
     RouteResolver,
     RoutingError,
 )
@@ -162,9 +163,11 @@ class EngineClient:
         return self._route(path, payload, affinity_key)
 
     async def _post(self, prepared: Prepared) -> http.Reply:
-        """One POST, never replayed; the gateway's 504 and 502 for a stalled or lost engine."""
+        """One POST, never replayed; the gateway's 504 and 502 for a stalled or lost engine.
+        Counted in flight to its engine while it runs (a scale-in waits for them)."""
         try:
-            reply = await prepared.post(self.session, self.timeout_s)
+            with self.manager.requests.track(prepared.engine_id):
+                reply = await prepared.post(self.session, self.timeout_s)
         except TimeoutError:
             raise InferenceError(
                 504, f"upstream {prepared.url} did not answer within {self.timeout_s:.0f} s"
@@ -182,12 +185,15 @@ class EngineClient:
     ) -> http.Reply:
         """``_post``; on a fault-tolerant role, an engine that cannot be reached and fails a
         health check leaves routing and the request goes to another engine (what it was
-        generating died with it), until none is left (503)."""
+        generating died with it), until none is left (503). So does a request that was still
+        on an engine a scale-in stopped."""
         while True:
             try:
                 return await self._post(prepared)
             except EngineUnreachable as error:
-                if not self.manager.fault_tolerant or not await self._engine_died(error):
+                if self.manager.was_retired(error.url):
+                    log.info("%s: %s was scaled in; sent elsewhere", self.role, error.url)
+                elif not self.manager.fault_tolerant or not await self._engine_died(error):
                     raise
             prepared = self._route(path, payload, affinity_key)
 
@@ -233,10 +239,11 @@ class EngineClient:
             raise InferenceError(
                 400, f"the judge's chat template rejected the messages: {exc}"
             ) from None
-        routed = self._route("/generate", payload, affinity_key)  # it may sleep meanwhile
         sampling = {**JUDGE_SAMPLING, **(payload.get("sampling_params") or {})}
-        body = orjson.dumps({"text": prompt, "sampling_params": sampling})
-        reply = await self._post(Prepared(routed.url, body, routed.headers, routed.model_id))
+        routing = {k: payload[k] for k in ROUTING_FIELDS if k in payload}
+        judged = {**routing, "text": prompt, "sampling_params": sampling}
+        routed = self._route("/generate", judged, affinity_key)  # it may sleep meanwhile
+        reply = await self._post_or_reroute(routed, "/generate", judged, affinity_key)
         try:
             text = reply.json()["text"]
         except (ValueError, KeyError, TypeError):

@@ -27,6 +27,7 @@ from relax_launch.inference.discovery import (
     WeightSource,
 )
 from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle, EngineRequestError
+from relax_launch.inference.request_counts import RequestCounts
 
 
 class LifecycleError(RuntimeError):
@@ -48,6 +49,7 @@ class InferenceManager:
         drain_timeout_s: float = 60.0,
         vocab_size: int | None = None,
         fault_tolerant: bool = False,
+        elastic: bool = False,
     ) -> None:
         self.role, self.model_id, self.served_model_name = role, model_id, served_model_name
         self.vocab_size = vocab_size  # token ids outside it are refused before the engine
@@ -56,6 +58,12 @@ class InferenceManager:
         # an engine that stops answering is routed around until it comes back (rollout only)
         self.fault_tolerant = fault_tolerant
         self.lost: dict[str, str] = {}  # engine id -> why it is out of routing
+        # elastic replicas (max_engines): engines come and go while the job runs
+        self.elastic = elastic
+        self.joining: set[str] = set()  # scaled-out rollout engines waiting for a weight sync
+        self.retired: set[str] = set()  # scaled-in engines finishing what they were sent
+        self.retired_urls: set[str] = set()  # where retired engines served: failures reroute
+        self.requests = RequestCounts()  # per engine: in flight (a scale-in waits) and answered
         self.registry_epoch = f"{role}-{uuid.uuid4().hex[:12]}"
         self.engines: list[EngineHandle] = []
         self.router_url: str | None = None
@@ -114,8 +122,9 @@ class InferenceManager:
     # ---- engines that die and come back (fault_tolerant) ---------------------------------
 
     def serving(self) -> list[EngineHandle]:
-        """The engines in routing: all of them but the lost ones."""
-        return [e for e in self.engines if e.engine_id not in self.lost]
+        """The engines in routing: all of them but the lost, joining and retired ones."""
+        out = self.lost.keys() | self.joining | self.retired
+        return [e for e in self.engines if e.engine_id not in out]
 
     def engine_lost(self, engine_id: str, why: str) -> None:
         """Take an engine out of routing (its server died) until ``engine_back``."""
@@ -130,6 +139,45 @@ class InferenceManager:
             for engine in self.engines:
                 if engine.engine_id == engine_id:
                     engine.generation += 1
+
+    # ---- elastic replicas (max_engines) ----------------------------------------------------
+
+    def add_engine(self, engine: EngineHandle, joining: bool = False) -> None:
+        """A scaled-out engine, routable now, or (``joining``: a rollout engine) once the next
+        weight sync has committed on it (``RolloutMembership`` brings it into that sync)."""
+        self.requests.restart(engine.engine_id)  # a new server behind the id
+        with self._fields:
+            self.engines = sorted([*self.engines, engine], key=lambda e: e.index or 0)
+            if joining:
+                self.joining.add(engine.engine_id)
+
+    def admit(self, engine_id: str) -> None:
+        """A joining engine takes part in the weight sync about to run: routed once it commits."""
+        with self._fields:
+            self.joining.discard(engine_id)
+
+    def retire(self, engine_id: str) -> None:
+        """Out of routing for good: a scale-in lets what it was sent finish first."""
+        with self._fields:
+            self.retired.add(engine_id)
+
+    def remove_engine(self, engine_id: str) -> None:
+        """The engine's server was stopped (or never served): forget it; a request that fails
+        at its address is sent elsewhere (``was_retired``)."""
+        with self._fields:
+            for engine in self.engines:
+                if engine.engine_id == engine_id:
+                    self.retired_urls.add(engine.url)
+            self.engines = [e for e in self.engines if e.engine_id != engine_id]
+            self.lost.pop(engine_id, None)
+            self.joining.discard(engine_id)
+            self.retired.discard(engine_id)
+
+    def was_retired(self, url: str) -> bool:
+        """Whether ``url`` (an engine path) is at an engine a scale-in took out of routing."""
+        with self._fields:
+            retired = {e.url for e in self.engines if e.engine_id in self.retired}
+            return any(url.startswith(base + "/") for base in retired | self.retired_urls)
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -12,8 +12,12 @@ from pydantic import BaseModel
 ERRORS = {
     "400": "Malformed body, unknown model or route_key; no engine was contacted.",
     "401": "Admin route without a valid bearer token.",
-    "409": "A lifecycle operation failed; the model stays unavailable until an onload succeeds.",
+    "404": "No scale operation of this role has that request id.",
+    "409": "A lifecycle operation failed; the model stays unavailable until an onload succeeds. "
+    "Scale routes: an operation is in flight for the role, the role is not serving (starting, "
+    "FAILED), or it has that many engines already.",
     "413": "Body above gateway.max_body_bytes.",
+    "422": "A body field of the wrong type, or a field the route does not take.",
     "502": "The engine could not be reached, or answered with something that is not HTTP.",
     "503": "Model not ready (starting, syncing weights, draining, sleeping); see Retry-After.",
     "504": "The engine did not answer within gateway.request_timeout_s.",

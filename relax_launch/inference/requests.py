@@ -132,14 +132,14 @@ class MemoryTags(BaseModel):
     )
 
 
-def validate(model: type[BaseModel], payload: dict[str, Any]) -> BaseModel:
-    """``model`` parsed from ``payload``, or a 400 naming the first bad field."""
+def validate(model: type[BaseModel], payload: dict[str, Any], status: int = 400) -> BaseModel:
+    """``model`` parsed from ``payload``, or an error (``status``) naming the first bad field."""
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise HTTPException(400, f"{where}: {first['msg']}") from None
+        raise HTTPException(status, f"{where}: {first['msg']}") from None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -196,9 +196,10 @@ class JsonBodyRoute(APIRoute):
         *,
         body_limit: int,
         guard: Guard | None = None,
+        invalid_status: int = 400,
         **kwargs: Any,
     ) -> None:
-        self.body_limit, self.guard = body_limit, guard
+        self.body_limit, self.guard, self.invalid_status = body_limit, guard, invalid_status
         self.body_model = inspect.signature(endpoint, eval_str=True).parameters["body"].annotation
         super().__init__(path, endpoint, methods=["POST"], **kwargs)
 
@@ -211,6 +212,18 @@ class JsonBodyRoute(APIRoute):
             self.guard(request)
         raw = await read_body(request, self.body_limit)
         payload = parse_object(raw)
-        body = validate(self.body_model, payload)
+        body = validate(self.body_model, payload, self.invalid_status)
         request.state.raw_body, request.state.payload = raw, payload
         return await self.endpoint(request, body)
+
+
+def vocabulary_problem(ids: object, vocab_size: int | None) -> str | None:
+    """Why token ``ids`` (one list or a batch of lists) must be refused: an out-of-vocabulary
+    id would crash the engine's embedding lookup. The gateway and the in-process client ask."""
+    if vocab_size is None or not isinstance(ids, list) or not ids or isinstance(ids[0], str):
+        return None
+    rows = ids if isinstance(ids[0], list) else [ids]
+    bad = next(
+        (t for row in rows for t in row if not (isinstance(t, int) and 0 <= t < vocab_size)), None
+    )
+    return None if bad is None else f"token id {bad} is outside the vocabulary [0, {vocab_size})"

@@ -47,6 +47,7 @@ class EnginePlan:
     phase: str
     nodes: tuple[int, ...]
     disaggregation: str | None = None  # "prefill" or "decode" half of a disaggregated role
+    reserved: bool = False  # its ranks wait for a scale-out (max_engines) to start it
 
     @property
     def head_rank(self) -> int:
@@ -56,7 +57,7 @@ class EnginePlan:
     def label(self) -> str:
         """``rollout engine 1``, ``rollout engine 1 (prefill)``: how messages name it."""
         half = f" ({self.disaggregation})" if self.disaggregation else ""
-        return f"{self.role} engine {self.index}{half}"
+        return f"{self.role} engine {self.index}{half}{' (reserved)' * self.reserved}"
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,9 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
 
 def _ranks_field(name: str, role: InferenceRoleConfig) -> str:
     """``rollout.ranks=2``; with prefill engines ``(rollout.ranks=1 + rollout.prefill.ranks=1)``."""
+    if role.reserved_engines:
+        reserved = role.reserved_engines * role.ranks_per_engine
+        return f"({name}.ranks={role.ranks} + {reserved} reserved for {name}.max_engines)"
     if role.prefill is None:
         return f"{name}.ranks={role.ranks}"
     return f"({name}.ranks={role.ranks} + {name}.prefill.ranks={role.prefill.ranks})"
@@ -182,7 +185,7 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
         first = starts[name]
         for field, shape, disaggregation in halves:
             width = shape.ranks_per_engine
-            for _ in range(shape.num_engines):
+            for n in range(shape.num_engines + shape.reserved_engines):
                 _check_engine_span(field, len(engines_of(engines, name)), first, width, per_node)
                 ranks = tuple(range(first, first + width))
                 engines.append(
@@ -195,6 +198,7 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
                         phase=_inference_phase(job.placement.mode, name),
                         nodes=tuple(sorted({r // per_node for r in ranks})),
                         disaggregation=disaggregation,
+                        reserved=n >= shape.num_engines,
                     )
                 )
                 first += width
@@ -304,7 +308,9 @@ def _rank_plans(
 def _weight_sync_groups(
     trainer: TrainerLayout, engines: tuple[EnginePlan, ...]
 ) -> tuple[WeightSyncGroup, ...]:
-    offsets, world_size = sync_rank_offsets(e for e in engines if e.role == "rollout")
+    offsets, world_size = sync_rank_offsets(
+        e for e in engines if e.role == "rollout" and not e.reserved
+    )
     return tuple(
         WeightSyncGroup(
             pp_rank=pp,

@@ -30,10 +30,12 @@ def describe(assignment: RoleAssignment, half: str | None = None) -> str:
 
 
 def half_of(plan: PlacementPlan, a: RoleAssignment) -> str | None:
-    """ "prefill"/"decode" for a rank of a disaggregated role's engine, else None."""
+    """ "prefill"/"decode" for a rank of a disaggregated role's engine, "reserved" for one of
+    the engines a scale-out starts (max_engines), else None."""
     if a.engine_index is None:
         return None
-    return plan.engines_of(a.role)[a.engine_index].disaggregation
+    engine = plan.engines_of(a.role)[a.engine_index]
+    return "reserved" if engine.reserved else engine.disaggregation
 
 
 def roles_label(plan: PlacementPlan, rank: RankPlan) -> str:

@@ -93,6 +93,7 @@ class ControlChannel:
         self.next_id = 0  # rank 0: the last command number
         self.queued: dict[int, int] = {}  # commands posted to (rank 0) or taken by each rank
         self._stop = threading.Event()
+        self._posting = threading.Lock()
         self._beat: threading.Thread | None = None
         if rank == 0:
             self._beat = threading.Thread(
@@ -119,16 +120,17 @@ class ControlChannel:
 
     def post(self, command: Command, ranks: Iterable[int]) -> Posted:
         """Put ``command`` in the queue of each targeted rank other than 0."""
-        posted = Posted(self.next_id + 1, command, tuple(sorted(set(ranks))))
-        self.next_id = posted.n
-        record = pickle.dumps((posted.n, command))
-        others = [r for r in posted.ranks if r != 0]
-        for r in others:
-            self.queued[r] = self.queued.get(r, 0) + 1
-        if others:
-            self.store.multi_set(
-                [command_key(r, self.queued[r]) for r in others], [record] * len(others)
-            )
+        with self._posting:  # a scale operation's thread posts beside the RL program's
+            posted = Posted(self.next_id + 1, command, tuple(sorted(set(ranks))))
+            self.next_id = posted.n
+            record = pickle.dumps((posted.n, command))
+            others = [r for r in posted.ranks if r != 0]
+            for r in others:
+                self.queued[r] = self.queued.get(r, 0) + 1
+            if others:
+                self.store.multi_set(
+                    [command_key(r, self.queued[r]) for r in others], [record] * len(others)
+                )
         return posted
 
     def collect(

@@ -72,30 +72,35 @@ class EngineRestarts:
 
 
 class RolloutMembership:
-    """Rank 0: which rollout engines take the next weight sync, from the heads' counts and the
-    engines the controller found dead (``InferenceManager.lost``)."""
+    """Rank 0: which rollout engines take the next weight sync, from the heads' counts, the
+    engines the controller found dead (``InferenceManager.lost``) and those a scale-out or
+    scale-in added or removed (``max_engines``). Engines are named by their plan index."""
 
     def __init__(self, store: Any, manager: Any) -> None:
         self.store, self.manager = store, manager
         self.synced: tuple[int, ...] | None = None  # the engines of the current broadcast groups
-        self.up = [0] * len(manager.engines)  # restarts taken back, per engine
+        self.up: dict[int, int] = {}  # restarts taken back, per engine
         self.restarts = 0
 
     def before_sync(self) -> tuple[int, ...] | None:
         """The engines (indices) the next sync goes to when they differ from the last one's,
-        else None. A restarting engine leaves routing; a restarted one comes back into it (it
-        is not routable before the sync commits)."""
+        else None. A restarting engine leaves routing; a restarted or scaled-out one comes into
+        it (it is not routable before the sync commits)."""
         came_back = False
-        for index, engine in enumerate(self.manager.engines):
+        for engine in self.manager.engines:
+            index = engine.index
             down, up = (self._count(event, index) for event in ("down", "up"))
             if down > up:
                 self.manager.engine_lost(engine.engine_id, "its server is restarting")
-            elif up > self.up[index]:  # even one never seen lost: it left its broadcast group
-                self.restarts += up - self.up[index]
+            elif up > self.up.get(index, 0):  # even one never seen lost: it left its group
+                self.restarts += up - self.up.get(index, 0)
                 self.up[index], came_back = up, True
                 self.manager.engine_back(engine.engine_id)
+        for engine_id in list(self.manager.joining):  # scaled out: in this sync's groups
+            self.manager.admit(engine_id)
+            came_back = True
         serving = {e.engine_id for e in self.manager.serving()}
-        members = tuple(i for i, e in enumerate(self.manager.engines) if e.engine_id in serving)
+        members = tuple(e.index for e in self.manager.engines if e.engine_id in serving)
         if not members:
             raise RuntimeError("every rollout engine is down; none is left to sync or serve")
         changed = came_back or members != self.synced
@@ -104,13 +109,14 @@ class RolloutMembership:
 
     def drop(self, dead: list[int], why: str) -> None:
         """Engines (indices) found dead during a sync leave routing until they come back."""
-        for index in dead:
-            self.manager.engine_lost(self.manager.engines[index].engine_id, why)
+        for engine in self.manager.engines:
+            if engine.index in dead:
+                self.manager.engine_lost(engine.engine_id, why)
         self.synced = tuple(i for i in (self.synced or ()) if i not in dead)
 
     def describe(self, members: tuple[int, ...], weight_version: int) -> str:
         """The operator's line when the engines of the next sync changed."""
-        left = [i for i in range(len(self.manager.engines)) if i not in members]
+        left = [e.index for e in self.manager.engines if e.index not in members]
         which = f"rollout engines {list(members)} take" if left else "every rollout engine takes"
         line = f"relax-launch: {which} weight version {weight_version}"
         if left:

@@ -52,8 +52,9 @@ def launch_engines(
             if node_rank == 0:
                 meet = _rendezvous(plan) if len(engine.nodes) > 1 else None
                 engines.append(engine_worker(job, plan, rank, engine, node_rank, meet))
-                engines[-1].launch()
-                clock.mark(f"{engine.role} engine {engine.index} launched")
+                if not engine.reserved:  # a reserved engine starts on a scale-out
+                    engines[-1].launch()
+                    clock.mark(f"{engine.role} engine {engine.index} launched")
     except BaseException:
         for worker in reversed(engines):
             worker.close()
@@ -109,6 +110,8 @@ def engine_worker(
     if engine.role == "rollout" and job.algorithm.routing_replay:  # the experts it routed to
         flags = {**section.engine, "enable_return_routed_experts": True}
         section = section.model_copy(update={"engine": flags})
+    # its throughput on /v1/loads and /metrics (``inference/engine_load.py``, relax-launch top)
+    section = section.model_copy(update={"engine": {"enable_metrics": True, **section.engine}})
     return EngineWorker(
         engine=engine,
         section=section,

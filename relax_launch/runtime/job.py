@@ -76,7 +76,7 @@ def build_workers(
     if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
         workers.append(trainer_worker(job, plan, rank, pgc, shards))
         clock.mark("trainer built")
-    for engine in engines:
+    for engine in (e for e in engines if e.running):
         engine.wait_ready(job.cluster.startup_timeout_s)
         clock.mark(f"{engine.engine.role} engine {engine.engine.index} ready")
 
@@ -257,6 +257,7 @@ def run_controller(
         startup=clock,
         stop=stop,
         adapters=adapter_serving(job),
+        autoscale={r: s for r, s in job.inference_roles().items() if s.autoscale is not None},
     )
     try:
         result = program(session)

@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from relax_launch.console import operator_log
+from relax_launch.inference.config import InferenceRoleConfig
 from relax_launch.inference.disaggregation import EngineHalf
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
+from relax_launch.runtime.autoscaler import Autoscaler
 from relax_launch.runtime.control import Command, ControlChannel, Handler, Shutdown
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
+from relax_launch.runtime.scaling import EngineScaler
 from relax_launch.runtime.startup import (
     FIRST_SYNC,
     SYNC_GROUPS,
@@ -55,6 +58,7 @@ class Session:
         startup: StartupClock | None = None,
         stop: StopRequest | None = None,
         adapters: AdapterServing | None = None,
+        autoscale: dict[str, InferenceRoleConfig] | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
         self.stop = stop or StopRequest(0, Path("."))  # a test's session: never asked to stop
@@ -73,6 +77,38 @@ class Session:
             weight_sync_timeout_s,
             adapters,
         )
+        self.scaler, self.autoscalers = self._elastic(autoscale or {})
+
+    def _elastic(
+        self, autoscale: dict[str, InferenceRoleConfig]
+    ) -> tuple[EngineScaler | None, list[Autoscaler]]:
+        """Rank 0's scaler of the roles with reserved engines, and their autoscalers."""
+        plane = self.control_plane
+        if plane is None or not any(e.reserved for e in self.plan.engines):
+            return None, []
+        scaler = EngineScaler(
+            plan=self.plan,
+            managers=plane.managers,
+            call=self._call,
+            startup_timeout_s=self.startup_timeout_s,
+            sync_lock=self.weights.lock,
+            log_dir=plane.log_dir,
+        )
+        plane.scaled_by(scaler)
+        autoscalers = [
+            Autoscaler(
+                role,
+                section.autoscale,
+                section.autoscale_bounds,
+                scaler,
+                plane.managers[role],
+                plane.log_dir / "autoscaler.jsonl",
+            )  # fmt: skip
+            for role, section in autoscale.items()
+        ]
+        for autoscaler in autoscalers:
+            autoscaler.start()
+        return scaler, autoscalers
 
     def _call(
         self, command: Command, ranks: Iterable[int], timeout_s: float | None = None
@@ -95,7 +131,8 @@ class Session:
             if role in self.engine_urls:
                 continue
             urls = []
-            for engine in self.plan.engines_of(role):
+            planned = [e for e in self.plan.engines_of(role) if not e.reserved]
+            for engine in planned:
                 command = EngineUrl(engine.role, engine.index)
                 heads = [engine.head_rank]
                 urls.append(self._call(command, heads, self.startup_timeout_s)[engine.head_rank])
@@ -103,7 +140,7 @@ class Session:
             if self.control_plane is not None:
                 halves = [
                     EngineHalf(e.disaggregation, getattr(self.plan.prefill_of(e), "index", None))
-                    for e in self.plan.engines_of(role)
+                    for e in planned
                 ]
                 self.control_plane.attach(role, urls, self.startup_timeout_s, halves)
         return self.engine_urls
@@ -126,7 +163,13 @@ class Session:
         return self.weights.sync(weight_version)
 
     def engine_metrics(self) -> dict[str, float]:
-        return self.weights.metrics()
+        """Rollout membership, elastic roles' engines and autoscaler decisions."""
+        metrics = self.weights.metrics()
+        if self.scaler is not None:
+            metrics |= self.scaler.metrics()
+        for autoscaler in self.autoscalers:
+            metrics |= autoscaler.metrics()
+        return metrics
 
     def abort_rollout(self) -> None:
         """Abort what the rollout engines generate now (each returns its tokens so far)."""
@@ -160,6 +203,10 @@ class Session:
         return startup_report(marks, {r.rank: roles_label(self.plan, r) for r in self.plan.ranks})
 
     def shutdown(self) -> None:
+        for autoscaler in self.autoscalers:
+            autoscaler.close()
+        if self.scaler is not None:  # a scale operation's rank is busy until it ends
+            self.scaler.close()
         self._call(Shutdown(), range(self.plan.world_size), timeout_s=30)
         self.weights.close()
 

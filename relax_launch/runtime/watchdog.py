@@ -201,7 +201,8 @@ class JobWatchdog:
                 return restarts.failure
             if restarts is not None and restarts.pending:  # it is starting again
                 continue
-            code = process().poll()
+            server = process()  # None: not meant to run (reserved, or scaled in)
+            code = server.poll() if server is not None else None
             stopping = self._quiet.is_set() or self.stop.local or self.stop.job
             if code is None or stopping:  # a stop signal may reach the servers too
                 continue

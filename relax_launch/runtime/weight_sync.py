@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,13 +83,15 @@ class WeightSync:
         self.weight_version: int | None = None
         self.membership: RolloutMembership | None = None  # rollout.fault_tolerance only
         self._sync_groups = 0  # broadcast groups formed so far (each one is named anew)
+        # held by a sync from start to commit: a scale-in stops no rollout engine meanwhile
+        self.lock = threading.Lock()
 
     def connect(self, members: tuple[int, ...] | None = None) -> None:
         """Each pipeline stage's source rank forms its broadcast group with the rollout engines
         (``members``: these engines only, in a new group, after one died or came back)."""
-        urls = self.urls()
+        urls = self._urls()
         rollout = self.plan.engines_of("rollout")
-        members = tuple(range(len(rollout))) if members is None else members
+        members = tuple(e.index for e in rollout if not e.reserved) if members is None else members
         # An engine of one TP rank (each of its pipeline stages whole layers) holds q/k/v and
         # gate/up fused: send them so, received in place.
         fused = all(e.tp_size == 1 for e in rollout)
@@ -117,10 +120,19 @@ class WeightSync:
             )
             self._call(command, [group.source_rank], self.timeout_s + REPLY_MARGIN_S)
         manager = self.rollout
-        if self.membership is None and manager is not None and manager.fault_tolerant:
+        changing = manager is not None and (manager.fault_tolerant or manager.elastic)
+        if self.membership is None and changing:
             self.membership = RolloutMembership(self.store, manager)
         if self.membership is not None:
             self.membership.synced = members
+
+    def _urls(self) -> dict[int, str]:
+        """Each rollout engine's URL by plan index: the planned ones', and the scaled-out
+        ones' as the manager knows them."""
+        urls = dict(enumerate(self.urls()))
+        if self.rollout is not None:
+            urls |= {e.index: e.url for e in self.rollout.engines if e.index is not None}
+        return urls
 
     def metrics(self) -> dict[str, float]:
         """Rollout engines serving and restarts taken back (``rollout.fault_tolerance``)."""
@@ -140,19 +152,20 @@ class WeightSync:
         engines that may hold mixed weights. Returns each pipeline stage's report; a repaired
         sync's carry ``repaired: 1``.
         """
-        rollout = self.rollout
-        if rollout is not None:
-            rollout.weights_updating()
-        try:
-            reports = self._sync_whole(weight_version)
-        except BaseException as exc:
+        with self.lock:
+            rollout = self.rollout
             if rollout is not None:
-                rollout.weights_lost(f"the sync to version {weight_version} failed: {exc}")
-            raise
-        if rollout is not None:
-            rollout.weights_committed(weight_version)
-        self.weight_version = weight_version
-        return reports
+                rollout.weights_updating()
+            try:
+                reports = self._sync_whole(weight_version)
+            except BaseException as exc:
+                if rollout is not None:
+                    rollout.weights_lost(f"the sync to version {weight_version} failed: {exc}")
+                raise
+            if rollout is not None:
+                rollout.weights_committed(weight_version)
+            self.weight_version = weight_version
+            return reports
 
     def _sync_whole(self, weight_version: int) -> list[dict[str, Any]]:
         if self.membership is not None and (members := self.membership.before_sync()):
@@ -185,10 +198,10 @@ class WeightSync:
         ones that died (fault tolerance); a dead engine without it ends the job here. An engine
         is dead when it does not answer ``/health``: a stopped process refuses at once, while a
         live one freed from the failed broadcast answers within ``REPAIR_HEALTH_S``."""
-        engines = range(len(self.plan.engines_of("rollout")))
+        engines = [e.index for e in self.plan.engines_of("rollout") if not e.reserved]
         synced = self.membership.synced if self.membership is not None else None
         members = tuple(synced if synced is not None else engines)
-        urls = self.urls()
+        urls = self._urls()
         dead = [i for i in members if not engine_alive(urls[i], REPAIR_HEALTH_S)]
         if dead and self.membership is None:
             raise WeightSyncError(

@@ -128,6 +128,34 @@ class EngineUrl(Command):
         return f"{self.role}.engine{self.index}.url"
 
 
+@dataclass(frozen=True)
+class StartEngine(Command):
+    """Start a reserved engine's server (a scale-out) and return its URL once it has generated
+    a token, within ``timeout_s``; a server that fails is stopped and the rank waits again."""
+
+    op: ClassVar[str] = "engine.start"
+    role: str
+    index: int
+    timeout_s: float
+
+    @property
+    def route(self) -> str:
+        return f"{self.role}.engine{self.index}.start"
+
+
+@dataclass(frozen=True)
+class StopEngine(Command):
+    """Stop a scaled-out engine's server by its PID (a scale-in); the rank waits again."""
+
+    op: ClassVar[str] = "engine.stop"
+    role: str
+    index: int
+
+    @property
+    def route(self) -> str:
+        return f"{self.role}.engine{self.index}.stop"
+
+
 class TrainerWorker:
     """This rank's share of the trainer, plus weight sending on a stage's source rank."""
 
@@ -230,6 +258,7 @@ class EngineWorker:
     ) -> None:
         self.engine, self.node_rank, self.rendezvous = engine, node_rank, rendezvous
         self.scratch, scratch_env = _memory_saver_scratch(colocated)
+        self.running = False  # launched, and not stopped on purpose (a scale-in)
         self.server = SGLangServer(
             model_path=model_dir,
             device=device,
@@ -241,10 +270,9 @@ class EngineWorker:
             nnodes=len(engine.nodes),
             node_rank=node_rank,
             dist_init_addr=rendezvous,
-            engine={"log_level": log_level, **section.engine}
+            engine={"log_level": log_level, **section.engine, "dtype": dtype}
             | _memory_saver(engine.role, colocated)
-            | _lora_serving(policy_adapter, device)
-            | {"dtype": dtype},
+            | _lora_serving(policy_adapter, device),
             extra_env=scratch_env
             | platform.thread_env(device, threads, _ranks_here(engine), len(engine.ranks))
             | _lora_env(policy_adapter),
@@ -253,6 +281,7 @@ class EngineWorker:
 
     def launch(self) -> None:
         """Start the server's process; ``wait_ready`` waits for its first token."""
+        self.running = True
         self.server.launch()
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -260,13 +289,41 @@ class EngineWorker:
 
     @property
     def process(self) -> Any:
-        """The server's process (its launcher's ``Popen``), once launched."""
-        return self.server.process
+        """The server's process (its launcher's ``Popen``) while it is meant to run: None for a
+        reserved engine not started, or stopped by a scale-in (no death to watch for)."""
+        return self.server.process if self.running else None
 
     def handlers(self) -> dict[str, Handler]:
         if self.node_rank != 0:  # the engine is reached at its head's server only
             return {}
-        return {EngineUrl(self.engine.role, self.engine.index).route: lambda c: self.server.url}
+        role, index = self.engine.role, self.engine.index
+        handlers = {EngineUrl(role, index).route: lambda c: self.server.url}
+        if self.engine.reserved:
+            handlers[StartEngine(role, index, 0).route] = self.start
+            handlers[StopEngine(role, index).route] = lambda c: self.stop()
+        return handlers
+
+    def start(self, command: StartEngine) -> str:
+        """A scale-out: start the server (new ports if it served before) and wait for its
+        first token; a server that fails is stopped and the rank waits again."""
+        if self.running:
+            raise RuntimeError(f"{self.engine.label} runs already (at {self.server.url})")
+        if self.server.served:
+            self.server.choose_ports()
+            self.server.served = False
+        self.server.launch()  # not watched while it starts: a failure here is the answer
+        try:
+            self.wait_ready(command.timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.running = True
+        return self.server.url
+
+    def stop(self) -> None:
+        """A scale-in: stop the server by its PID (not watched from now on)."""
+        self.running = False
+        self.server.stop()
 
     def close(self) -> None:
         self.server.stop()

@@ -26,6 +26,8 @@ ROLE_READERS = (
     "runtime/engines.py",
     "runtime/job.py",
     "rl/program.py",
+    "runtime/session.py",
+    "config/rules.py",
 )
 # section path -> its readers (a path ending in / is a package); the longest prefix of a
 # field's path chooses its readers
@@ -72,6 +74,9 @@ READERS: dict[str, tuple[str, ...]] = {
         "runtime/engines.py",
         "runtime/workers.py",
     ),
+    "rollout.autoscale": ("runtime/autoscaler.py", "inference/config.py"),
+    "teacher.autoscale": ("runtime/autoscaler.py", "inference/config.py"),
+    "genrm.autoscale": ("runtime/autoscaler.py", "inference/config.py"),
     "logging": ("rl/program.py", "rl/report.py", "runtime/job.py", "runtime/engines.py"),
     "logging.wandb": ("rl/report.py",),
 }

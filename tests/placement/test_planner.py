@@ -288,3 +288,29 @@ def test_the_prefill_decode_example_plans_pairs_and_pipeline_engines(tmp_path):
     assert "teacher engine 0: ranks 14-15 (head 14) tp=1 pp=2 node(s) 1" in shown
     # every rollout worker of both halves takes the weights: 2 x 2 decode + 2 prefill
     assert "weight sync pp0: source rank 0 -> 6 rollout worker(s) in 3 engine(s)" in shown
+
+
+def test_max_engines_reserves_ranks_after_the_planned_engines_outside_weight_sync():
+    from relax_launch.placement.render import roles_label, summary
+
+    j = job(
+        "decoupled",
+        (1, 8),
+        {"rollout": {"ranks": 2, "max_engines": 4}, "genrm": {"ranks": 1, "max_engines": 2}},
+        trainer={"ranks": 2},
+    )
+    p = plan(j)
+    shape = [(e.role, e.index, e.ranks, e.reserved) for e in p.engines]
+    assert shape == [
+        ("rollout", 0, (2,), False),
+        ("rollout", 1, (3,), False),
+        ("rollout", 2, (4,), True),
+        ("rollout", 3, (5,), True),
+        ("genrm", 0, (6,), False),
+        ("genrm", 1, (7,), True),
+    ]
+    # the first sync goes to the planned rollout engines only; a scaled-out one joins later
+    assert p.weight_sync_groups[0].engine_rank_offsets == ((0, 1), (1, 2))
+    assert roles_label(p, p.ranks[4]) == "rollout[e2 head reserved]"
+    assert "genrm engine 1 (reserved): ranks 7-7" in summary(p)
+    assert PlacementPlan.from_json(p.to_json()) == p

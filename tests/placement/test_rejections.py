@@ -341,6 +341,34 @@ CASES = {
         [MOE, "trainer.lora.rank=4"],
         ["trainer.lora", "adapters on experts are not supported"],
     ),
+    "elastic engines without their reserved ranks": (
+        ["rollout.max_engines=3"],
+        ["(rollout.ranks=2 + 1 reserved for rollout.max_engines)", "needs 1 rank more"],
+    ),
+    "elastic engines below the planned ones": (
+        ["rollout.max_engines=1"],
+        ["max_engines=1 is below the 2 planned engines"],
+    ),
+    "elastic engines colocated": (
+        [*SPLIT, "rollout.max_engines=2"],
+        ["rollout.max_engines reserves ranks", "placement.mode=split cannot do yet"],
+    ),
+    "elastic engines behind sglang-router": (
+        ["rollout.ranks=1", "rollout.max_engines=2", "gateway.rollout_route_mode=router"],
+        ["rollout.max_engines with gateway.rollout_route_mode=router"],
+    ),
+    "elastic engines of a disaggregated role": (
+        ["rollout.ranks=1", "rollout.prefill.ranks=1", "rollout.max_engines=2", "trainer.ranks=1"],
+        ["rollout.max_engines with rollout.prefill"],
+    ),
+    "an autoscaler without max_engines": (
+        ["rollout.autoscale.target_queue_per_engine=2"],
+        ["autoscale needs max_engines"],
+    ),
+    "an autoscaler beyond max_engines": (
+        ["rollout.ranks=1", "rollout.max_engines=2", "rollout.autoscale.max_engines=3"],
+        ["autoscale wants 1 to 3 engines, outside the 1 planned to max_engines=2"],
+    ),
     "bad device": (["cluster.device=tpu"], ["cluster.device", "'cpu' or 'cuda'"]),
     "bad job name": (["name=my job"], ["name", "pattern"]),
     "override without =": (["rollout.ranks"], ["must look like section.field=value"]),

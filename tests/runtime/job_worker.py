@@ -21,6 +21,7 @@ import torch
 from relax_launch.config import load_config
 from relax_launch.inference.engine import get_json, post
 from relax_launch.placement import plan
+from relax_launch.runtime.engine_restart import engine_alive
 from relax_launch.runtime.job import run_rank
 from relax_launch.runtime.workers import TrainStep
 from relax_launch.trainer.batch import TokenBatch
@@ -184,6 +185,74 @@ def rollback(session):
     return report
 
 
+def scaled(session, kind: str, replicas: int, until: str) -> dict:
+    """Ask the gateway to scale rollout to ``replicas``; the operation's document once its
+    engine's state is ``until`` (or it ended)."""
+    import httpx
+
+    auth = {"authorization": f"Bearer {os.environ['RELAX_ADMIN_TOKEN']}"}
+    url = f"{session.gateway_url}/rollout/{kind}"
+    reply = httpx.post(url, json={"num_replicas": replicas}, headers=auth, timeout=30)
+    assert reply.status_code == 202, reply.text
+    status = f"{url}/{reply.json()['request_id']}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        doc = httpx.get(status, headers=auth, timeout=30).json()
+        if doc["state"] != "running" or doc["replicas"][0]["state"] == until:
+            return doc
+        time.sleep(0.2)
+    raise TimeoutError(f"{kind}: no {until} within 300 s: {doc}")
+
+
+def scale_rollout(session):
+    """rollout.max_engines=2, one planned engine: scale out by the API; the new engine joins
+    the next weight sync and is routed once it holds that version. Its logprobs, read straight
+    from it before any request was routed to it, against the trainer's at that version; then
+    a scale-in, and a sync to the planned engine alone."""
+    import httpx
+
+    urls = session.wait_for_engines()["rollout"]
+    session.connect_weight_sync()
+    session.sync_weights(0)
+    manager = session.control_plane.managers["rollout"]
+    joining = scaled(session, "scale_out", 2, until="joining")
+    report = {"joining": joining, "serving_while_joining": [e.url for e in manager.serving()]}
+    batch = TokenBatch.next_token(SEQUENCES, [1, 1])
+    session.train_step(batch)
+    session.sync_weights(1)  # takes the new engine in
+    done = scaled_status(session, joining)
+    new = done["replicas"][0]["url"]
+    report["scale_out"] = done
+    report["answered_before_check"] = manager.requests.answered("tiny-llama/1")
+    report["new_version"] = get_json(new, "/model_info", 30)["weight_version"]
+    report["parity_new"] = max_diff(session, [new])
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    report["routed"] = [
+        httpx.post(session.gateway_url + "/rollout/generate", json=body, timeout=60).status_code
+        for _ in range(4)
+    ]
+    report["answered_after"] = manager.requests.answered("tiny-llama/1")
+    report["scale_in"] = scaled(session, "scale_in", 1, until="stopped")
+    session.train_step(batch)
+    report["sync2"] = session.sync_weights(2)
+    report["versions_after"] = [get_json(u, "/model_info", 30)["weight_version"] for u in urls]
+    report["parity_after"] = max_diff(session, urls)
+    report["new_alive"] = engine_alive(new)
+    return report
+
+
+def scaled_status(session, doc: dict) -> dict:
+    import httpx
+
+    auth = {"authorization": f"Bearer {os.environ['RELAX_ADMIN_TOKEN']}"}
+    url = f"{session.gateway_url}/rollout/scale_out/{doc['request_id']}"
+    deadline = time.monotonic() + 120
+    while (doc := httpx.get(url, headers=auth, timeout=30).json())["state"] == "running":
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.2)
+    return doc
+
+
 def corrupt_version_1_export():
     """On the source rank: during the sync to version 1, send model.norm.weight truncated."""
     from relax_launch.trainer.trainer import Trainer
@@ -210,6 +279,7 @@ def main():
         "hold": hold,
         "stuck": stuck,
         "rollback": rollback,
+        "scale_rollout": scale_rollout,
     }
     if sys.argv[1] == "rollback" and os.environ["RANK"] == "0":
         corrupt_version_1_export()

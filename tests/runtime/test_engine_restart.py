@@ -64,7 +64,10 @@ def rollout(engines: int) -> InferenceManager:
         fault_tolerant=True,
     )
     manager.attach(
-        [EngineHandle(f"m/{i}", f"http://10.0.0.{i}:1", "rollout", False) for i in range(engines)]
+        [
+            EngineHandle(f"m/{i}", f"http://10.0.0.{i}:1", "rollout", False, index=i)
+            for i in range(engines)
+        ]
     )
     return manager
 

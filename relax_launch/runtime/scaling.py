@@ -1,0 +1,388 @@
+"""EngineScaler: rank 0 starts and stops the reserved engines of an elastic role (``max_engines``)
+while the job runs, for the gateway's scale routes and the autoscaler.
+
+A scale-out asks each chosen reserved engine's head rank to start its server (``StartEngine``:
+it answers once the server has generated a token), checks ``/health`` and only then puts it in
+routing; a rollout engine joins the next weight sync first (``RolloutMembership``) and is routed
+once that sync has committed on it, so it never serves an older version. If any engine fails to
+start, those that started are stopped again: the count stays as it was and the operation says
+why. A scale-in takes the newest scaled-out engines out of routing, waits (bounded) until what
+they were sent is answered and the engine reports nothing queued or running, then has the head
+rank stop the server by its PID (``StopEngine``); a request still in flight then fails at the
+stopped engine and the gateway and the controller send it to another engine (``was_retired``).
+A rollout engine is never stopped while a weight sync runs (``WeightSync.lock``).
+
+One operation per role at a time; the planned engines are never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from relax_launch.console import operator_log
+from relax_launch.deadline import Deadline
+from relax_launch.inference.discovery import State
+from relax_launch.inference.engine import EngineHandle, get_json
+from relax_launch.inference.engine_load import engine_load
+from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.scale_routes import ScaleRefused
+from relax_launch.placement.plan import EnginePlan, PlacementPlan
+from relax_launch.runtime.control import Command
+from relax_launch.runtime.scale_records import Replica, ScaleOperation, state_of
+from relax_launch.runtime.workers import StartEngine, StopEngine
+
+HISTORY = 256  # operations kept for their status routes
+REPLY_MARGIN_S = 15.0  # beyond a rank's own deadline, before its silence is the error
+STOP_TIMEOUT_S = 60.0
+POLL_S = 0.1
+Call = Callable[[Command, list[int], float], dict[int, Any]]
+
+
+class EngineScaler:
+    """See the module docstring. Thread-safe; each operation runs on its own thread."""
+
+    def __init__(
+        self,
+        *,
+        plan: PlacementPlan,
+        managers: dict[str, InferenceManager],
+        call: Call,
+        startup_timeout_s: float,
+        sync_lock: threading.Lock,
+        log_dir: Path,
+    ) -> None:
+        self.plan, self.managers, self._call = plan, managers, call
+        self.startup_timeout_s, self.sync_lock, self.log_dir = startup_timeout_s, sync_lock, log_dir
+        self.roles = {
+            role: self.plan.engines_of(role)
+            for role in managers
+            if any(e.reserved for e in self.plan.engines_of(role))
+        }
+        self.operations: OrderedDict[str, ScaleOperation] = OrderedDict()
+        self.active: dict[str, ScaleOperation] = {}
+        self.running: dict[str, set[int]] = {role: set() for role in self.roles}  # scaled out
+        self.finished = dict.fromkeys(self.roles, 0)  # operations ended, per role
+        self.ended: dict[str, float] = {}  # when the role's last operation ended (monotonic)
+        self.closed = False
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # ---- what the routes ask -------------------------------------------------------------
+
+    def count(self, role: str) -> int:
+        """The role's engines: the planned ones and the scaled-out ones still running."""
+        planned = sum(not e.reserved for e in self.roles[role])
+        return planned + len(self.running[role])
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        """(planned, max_engines) of ``role``."""
+        return sum(not e.reserved for e in self.roles[role]), len(self.roles[role])
+
+    def request(
+        self,
+        role: str,
+        kind: str,
+        target: int,
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        source: str = "api",
+    ) -> ScaleOperation:
+        """Start an operation towards ``target`` engines in total; raises ``ScaleRefused``."""
+        with self._lock:
+            self._check(role, kind, target, model, timeout_s)
+            manager = self.managers[role]
+            picks = self._picks(role, kind, target)
+            op = ScaleOperation(
+                request_id=uuid.uuid4().hex[:16],
+                role=role,
+                kind=kind,
+                before=self.count(role),
+                target=target,
+                timeout_s=timeout_s or self._default_timeout(role, kind),
+                source=source,
+                replicas=[Replica(e.index, f"{manager.model_id}/{e.index}") for e in picks],
+            )
+            self.operations[op.request_id] = op
+            while len(self.operations) > HISTORY:
+                self.operations.popitem(last=False)
+            self.active[role] = op
+            if kind == "scale_out":  # counted from now: a later request sees the target
+                self.running[role] |= {e.index for e in picks}
+        thread = threading.Thread(
+            target=self._run, args=(op, picks), name=f"relax-{kind}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+        return op
+
+    def get(self, role: str, kind: str, request_id: str) -> ScaleOperation | None:
+        op = self.operations.get(request_id)
+        return op if op is not None and (op.role, op.kind) == (role, kind) else None
+
+    def replicas(self, role: str) -> list[dict[str, Any]]:
+        """Every engine of ``role`` in the plan: its state, URL and requests in flight."""
+        manager = self.managers[role]
+        handles = {e.index: e for e in manager.engines}
+        active = self.active.get(role)
+        moving = {r.index: r.state for r in active.replicas} if active else {}
+        out = []
+        for engine in self.roles[role]:
+            handle = handles.get(engine.index)
+            state = "reserved"
+            if handle is not None:
+                state = state_of(manager, handle)
+            state = moving.get(engine.index, state) if state != "serving" else state
+            out.append(
+                {
+                    "index": engine.index,
+                    "engine_id": f"{manager.model_id}/{engine.index}",
+                    "reserved": engine.reserved,
+                    "ranks": list(engine.ranks),
+                    "state": state,
+                    "url": handle.url if handle is not None else None,
+                    "in_flight": manager.requests.in_flight(handle.engine_id) if handle else 0,
+                    "answered": manager.requests.answered(handle.engine_id) if handle else 0,
+                }
+            )
+        return out
+
+    def scaling(self, role: str) -> dict[str, Any]:
+        """``replicas``, and the ``operation`` in flight (None when there is none)."""
+        active = self.active.get(role)
+        operation = active.document(self.count(role)) if active is not None else None
+        return {"replicas": self.replicas(role), "operation": operation}
+
+    def metrics(self) -> dict[str, float]:
+        """Step metrics: each elastic role's engines and operations so far."""
+        out = {}
+        for role in self.roles:
+            out[f"{role}/engines"] = float(self.count(role))
+            out[f"{role}/scale_operations"] = float(self.finished[role])
+        return out
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Refuse new operations and wait (bounded) for those that run."""
+        with self._lock:
+            self.closed = True
+        deadline = Deadline(timeout_s)
+        for thread in self._threads:
+            thread.join(timeout=max(deadline.left(), 0.1))
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _check(
+        self, role: str, kind: str, target: int, model: str | None, timeout_s: float | None
+    ) -> None:
+        if self.closed:
+            raise ScaleRefused(409, f"{kind} refused: the job is stopping")
+        if role not in self.roles:
+            raise ScaleRefused(400, f"{role} has no reserved engines: set {role}.max_engines")
+        manager = self.managers[role]
+        if model is not None and model not in {manager.model_id, *manager.routing.aliases}:
+            raise ScaleRefused(400, f"{role} serves no model {model!r}; known: {manager.model_id}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ScaleRefused(400, f"timeout_secs must be above 0, not {timeout_s}")
+        active = self.active.get(role)
+        if active is not None:
+            same = " (the same target)" if (active.kind, active.target) == (kind, target) else ""
+            raise ScaleRefused(
+                409,
+                f"{active.kind} to {active.target} engines of {role} is in flight{same} "
+                f"(request {active.request_id}); wait for it to end",
+            )
+        if manager.state is State.FAILED:
+            raise ScaleRefused(
+                409, f"{role} is FAILED (a lifecycle operation failed); onload it first"
+            )
+        if manager.state is not State.READY:
+            state = manager.state.value
+            raise ScaleRefused(409, f"{role} is {state}, not serving yet; retry later")
+        planned, most = self.bounds(role)
+        now = self.count(role)
+        if not planned <= target <= most:
+            raise ScaleRefused(
+                400, f"num_replicas={target} is outside {planned} (the planned engines) to "
+                f"{most} ({role}.max_engines)",
+            )  # fmt: skip
+        if target == now:
+            raise ScaleRefused(409, f"{role} has {now} engines already (num_replicas={target})")
+        if (target < now) == (kind == "scale_out"):
+            other = "scale_in" if kind == "scale_out" else "scale_out"
+            raise ScaleRefused(
+                400, f"{role} has {now} engines: {kind} to {target} goes the wrong way; use "
+                f"{other}",
+            )  # fmt: skip
+
+    def _picks(self, role: str, kind: str, target: int) -> list[EnginePlan]:
+        """The reserved engines to start (lowest first), or the scaled-out ones to stop
+        (newest first)."""
+        reserved = [e for e in self.roles[role] if e.reserved]
+        if kind == "scale_out":
+            idle = [e for e in reserved if e.index not in self.running[role]]
+            return idle[: target - self.count(role)]
+        started = [e for e in reversed(reserved) if e.index in self.running[role]]
+        return started[: self.count(role) - target]
+
+    def _default_timeout(self, role: str, kind: str) -> float:
+        if kind == "scale_in":
+            return 60.0
+        # a rollout engine also waits for the next weight sync before it is routed
+        return self.startup_timeout_s * (2 if role == "rollout" else 1)
+
+    # ---- the operations ------------------------------------------------------------------
+
+    def _run(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
+        try:
+            if op.kind == "scale_out":
+                self._scale_out(op, picks)
+            else:
+                self._scale_in(op, picks)
+            op.state = "succeeded"
+        except Exception as exc:  # noqa: BLE001 - the operation's answer, not the job's end
+            op.state, op.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            op.finished = time.time()
+            with self._lock:
+                self.active.pop(op.role, None)
+                self.finished[op.role] += 1
+                self.ended[op.role] = time.monotonic()
+            self._log(op)
+
+    def _scale_out(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
+        deadline = Deadline(op.timeout_s)
+        manager = self.managers[op.role]
+        with ThreadPoolExecutor(max_workers=len(picks)) as pool:
+            starts = list(pool.map(self._start, op.replicas, picks, [deadline] * len(picks)))
+        failed = [r for r in op.replicas if r.state == "failed"]
+        if failed:  # stop them all: one may fail its health check with its server up
+            self._undo(op, picks, "another engine of this scale-out failed")
+            raise RuntimeError(
+                f"{len(failed)} of {len(picks)} engines failed to start, so none was added ("
+                + "; ".join(f"engine {r.index}: {r.error.splitlines()[0]}" for r in failed)
+                + f"); {op.role} keeps {op.before} engines"
+            )
+        joining = op.role == "rollout"
+        with self.sync_lock if joining else contextlib.nullcontext():
+            for replica, handle in zip(op.replicas, starts, strict=True):
+                manager.add_engine(handle, joining=joining)
+                replica.state = "joining" if joining else "serving"
+        if joining:
+            self._wait_routed(op, manager, starts, picks, deadline)
+
+    def _undo(self, op: ScaleOperation, picks: list[EnginePlan], why: str) -> None:
+        """A scale-out that failed: stop every engine it started, the count is as before."""
+        for replica, engine in zip(op.replicas, picks, strict=True):
+            self._stop(engine, replica, why=why)
+        with self._lock:
+            self.running[op.role] -= {e.index for e in picks}
+
+    def _start(
+        self, replica: Replica, engine: EnginePlan, deadline: Deadline
+    ) -> EngineHandle | None:
+        began = time.monotonic()
+        replica.state = "starting"
+        try:
+            left = deadline.left(f"starting {engine.label}")
+            command = StartEngine(engine.role, engine.index, left)
+            url = self._call(command, [engine.head_rank], left + REPLY_MARGIN_S)[engine.head_rank]
+            get_json(url, "/health", 10.0)  # routable only once its health check passes
+        except Exception as exc:  # noqa: BLE001 - recorded, and the scale-out undone
+            replica.state, replica.error = "failed", f"{type(exc).__name__}: {exc}"
+            replica.seconds = time.monotonic() - began
+            return None
+        replica.url, replica.seconds = url, time.monotonic() - began
+        return EngineHandle(
+            replica.engine_id, url, role=engine.role, static=engine.role != "rollout",
+            index=engine.index,
+        )  # fmt: skip
+
+    def _wait_routed(
+        self,
+        op: ScaleOperation,
+        manager: InferenceManager,
+        handles: list[EngineHandle],
+        picks: list[EnginePlan],
+        deadline: Deadline,
+    ) -> None:
+        """A rollout engine is routed once a weight sync committed on it: wait for that."""
+        while True:
+            serving = {e.engine_id for e in manager.serving()}
+            if manager.ready and all(h.engine_id in serving for h in handles):
+                break
+            if deadline.passed:
+                self._undo(op, picks, "no weight sync took it in time")
+                raise TimeoutError(
+                    f"no weight sync committed on the new rollout engines within "
+                    f"{op.timeout_s:.0f} s (timeout_secs); they were stopped again"
+                )
+            time.sleep(POLL_S)
+        for replica in op.replicas:
+            replica.state = "serving"
+
+    def _scale_in(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
+        manager = self.managers[op.role]
+        deadline = Deadline(op.timeout_s)
+        for replica in op.replicas:
+            manager.retire(replica.engine_id)
+            replica.state = "draining"
+        for replica, engine in zip(op.replicas, picks, strict=True):
+            self._drain(manager, replica, deadline)
+            with self.sync_lock if op.role == "rollout" else contextlib.nullcontext():
+                self._stop(engine, replica)
+            with self._lock:
+                self.running[op.role].discard(engine.index)
+
+    def _drain(self, manager: InferenceManager, replica: Replica, deadline: Deadline) -> None:
+        """Until what the engine was sent is answered and it reports nothing queued or running,
+        or the deadline: what is left then goes to another engine when the server stops."""
+        began = time.monotonic()
+        url = next((e.url for e in manager.engines if e.engine_id == replica.engine_id), None)
+        while not deadline.passed:
+            if manager.requests.in_flight(replica.engine_id) == 0 and _idle(url):
+                break
+            time.sleep(POLL_S)
+        replica.rerouted = manager.requests.in_flight(replica.engine_id)
+        replica.seconds = time.monotonic() - began
+
+    def _stop(self, engine: EnginePlan, replica: Replica, why: str = "") -> None:
+        """Stop the engine's server (its head rank, by PID) and forget it."""
+        self._call(StopEngine(engine.role, engine.index), [engine.head_rank], STOP_TIMEOUT_S)
+        self.managers[engine.role].remove_engine(replica.engine_id)
+        if replica.state != "failed":
+            replica.state = "stopped"
+            replica.error = why
+
+    def _log(self, op: ScaleOperation) -> None:
+        """Every operation's outcome: a line of ``scaling.jsonl`` in the run directory, and
+        one for the operator."""
+        document = op.document(self.count(op.role))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with (self.log_dir / "scaling.jsonl").open("a") as log:
+            log.write(json.dumps(document) + "\n")
+        line = (
+            f"relax-launch: {op.role} {op.kind} {op.before} -> {op.target} ({op.source}) "
+            f"{op.state} in {document['seconds']:.1f} s; engines now: {document['actual']}"
+        )
+        if op.error:
+            operator_log().warning(f"{line}: {op.error}")
+        else:
+            operator_log().info(line)
+
+
+def _idle(url: str | None) -> bool:
+    """Whether the engine reports no request queued or running (unreadable: take it as idle,
+    the in-flight count decides)."""
+    if url is None:
+        return True
+    load = engine_load(url)
+    return load is None or load.queued + load.running == 0

@@ -1,0 +1,248 @@
+"""Elastic judge replicas in a real job: an RL job whose reward is the GenRM judge, with a rank
+reserved for a second judge engine (``genrm.max_engines: 2``), driven from outside through its
+gateway while it trains.
+
+Under a burst of judge requests the test scales genrm 1 -> 2 by the API (the new engine answers
+judge requests once routable), scales it back to 1 with requests in flight (every request sent
+is answered, none lost), and the autoscaler then scales it out again on the burst's load. Each
+error of the scale routes is asked for (401, 422, 400, 404, 409). The job is stopped at the end:
+it exits as stopped and leaves no process (the scaled-out server is stopped by its PID).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from harness.processes import TEST_TAG, processes_tagged
+
+pytestmark = pytest.mark.e2e
+HERE = Path(__file__).parent
+TOKEN = "elastic-test-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+STOPPED = 75
+JUDGE = {
+    "messages": [{"role": "user", "content": "Is 2 + 3 = 5? Answer with a score."}],
+    "sampling_params": {"max_new_tokens": 320, "ignore_eos": True},
+}
+
+
+class Burst:
+    """``workers`` threads sending judge requests to the gateway until ``stop``; counts what
+    was sent and what was answered (200), and keeps every other reply."""
+
+    def __init__(self, gateway: str, workers: int) -> None:
+        self.gateway, self.sent, self.answered = gateway, 0, 0
+        self.failures: list[str] = []
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self.threads = [threading.Thread(target=self._send, daemon=True) for _ in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def _send(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self._stop.is_set():
+                with self._lock:
+                    self.sent += 1
+                try:
+                    reply = client.post(f"{self.gateway}/genrm/generate", json=JUDGE)
+                    ok = reply.status_code == 200 and "response" in reply.json()
+                    why = f"{reply.status_code} {reply.text[:300]}"
+                except httpx.HTTPError as exc:
+                    ok, why = False, f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    if ok:
+                        self.answered += 1
+                    else:
+                        self.failures.append(why)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self.threads:
+            thread.join(timeout=150)
+
+
+def scale(gateway: str, kind: str, body: object, auth: dict | None = AUTH) -> httpx.Response:
+    return httpx.post(f"{gateway}/genrm/{kind}", json=body, headers=auth or {}, timeout=30)
+
+
+def wait_for(what: str, check, timeout_s: float = 300.0, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+
+
+def finished(gateway: str, kind: str, request_id: str) -> dict:
+    """The operation's document once it has ended."""
+
+    def ended() -> dict | None:
+        doc = httpx.get(f"{gateway}/genrm/{kind}/{request_id}", headers=AUTH, timeout=10).json()
+        return doc if doc["state"] != "running" else None
+
+    return wait_for(f"{kind} {request_id}", ended)
+
+
+def replicas(gateway: str) -> list[dict]:
+    return httpx.get(f"{gateway}/genrm/admin/engines", headers=AUTH, timeout=10).json()["replicas"]
+
+
+def routable(gateway: str) -> list[str]:
+    discovery = httpx.get(f"{gateway}/genrm/engines", timeout=10).json()
+    return [e["engine_id"] for m in discovery["models"].values() for e in m["engines"]]
+
+
+def test_genrm_scales_out_and_in_by_the_api_and_the_autoscaler(tmp_path):
+    run_dir = tmp_path / "run"
+    console = tmp_path / "console.txt"
+    cli = Path(sys.executable).with_name("relax-launch")
+    env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN}
+    with open(console, "w") as out:
+        job = subprocess.Popen(
+            [str(cli), "run", str(HERE / "elastic_tiny.yaml"), f"logging.dir={run_dir}"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    burst = None
+    try:
+        gateway = wait_for("gateway.json", lambda: _gateway(run_dir, job, console))
+        wait_for("the job's roles ready", lambda: _ready(gateway, job, console), 400)
+        assert [r["state"] for r in replicas(gateway)] == ["serving", "reserved"]
+
+        # every refusal, before anything changed
+        assert scale(gateway, "scale_out", {"num_replicas": 2}, auth=None).status_code == 401
+        for wrong in ({"num_replicas": "2"}, {"num_replicas": 2.0}, {"num_replicas": 2, "x": 1}):
+            assert scale(gateway, "scale_out", wrong).status_code == 422, wrong
+        for outside in (
+            {"num_replicas": 3},
+            {"num_replicas": 0},
+            {"num_replicas": 2, "model": "nope"},
+        ):
+            reply = scale(gateway, "scale_out", outside)
+            assert reply.status_code == 400 and reply.json()["error"]["message"], outside
+        assert scale(gateway, "scale_in", {"num_replicas": 1}).status_code == 409  # has 1
+        missing = httpx.get(f"{gateway}/genrm/scale_out/0123456789abcdef", headers=AUTH)
+        assert missing.status_code == 404
+
+        # 1 -> 2 by the API; while it runs, the same target and any other operation are 409
+        reply = scale(gateway, "scale_out", {"num_replicas": 2})
+        assert reply.status_code == 202, reply.text
+        out_id = reply.json()["request_id"]
+        again = scale(gateway, "scale_out", {"num_replicas": 2})
+        assert again.status_code == 409 and "the same target" in again.json()["error"]["message"]
+        assert scale(gateway, "scale_in", {"num_replicas": 1}).status_code == 409
+        done = finished(gateway, "scale_out", out_id)
+        assert done["state"] == "succeeded" and done["actual"] == 2, done
+        assert [r["state"] for r in done["replicas"]] == ["serving"], done
+        assert sorted(routable(gateway)) == ["tiny-llama/0", "tiny-llama/1"]
+
+        # a burst: the new engine answers judge requests
+        burst = Burst(gateway, workers=12)
+        wait_for("the new engine's answers", lambda: replicas(gateway)[1]["answered"] >= 5, 120)
+
+        # 2 -> 1 with requests in flight, drained for 0.05 s only: what is left is sent to the
+        # other engine when the server stops, none is lost (a graceful drain: test_scaling.py)
+        on_new = lambda: replicas(gateway)[1]["in_flight"] > 2  # noqa: E731
+        wait_for("requests on the new engine", on_new, 60, 0.05)
+        reply = scale(gateway, "scale_in", {"num_replicas": 1, "timeout_secs": 0.05})
+        assert reply.status_code == 202, reply.text
+        done = finished(gateway, "scale_in", reply.json()["request_id"])
+        assert done["state"] == "succeeded" and done["actual"] == 1, done
+        assert done["replicas"][0]["state"] == "stopped", done
+        assert done["replicas"][0]["rerouted"] >= 1, done
+        assert routable(gateway) == ["tiny-llama/0"]
+        live = watch_top(gateway, seconds=4)  # relax-launch top in a pseudo-terminal
+        assert "tiny-llama/0" in live and "serving" in live and "reserved" in live, live
+
+        # the burst goes on: the autoscaler scales out again on its load
+        log = run_dir / "autoscaler.jsonl"
+        decision = wait_for("the autoscaler's scale-out", lambda: _decisions(log), 300)[0]
+        assert decision["decision"] == "scale_out" and (decision["from"], decision["to"]) == (1, 2)
+        view = top_once(run_dir)  # the operation in flight, as the operator sees it
+        assert "genrm scale_out 1 -> 2 (autoscaler" in view, view
+        assert "step " in view and "reward" in view and "rollout" in view, view
+        assert decision["load"]["in_flight"] >= 5, decision
+        done = finished(gateway, "scale_out", decision["request_id"])
+        assert done["state"] == "succeeded" and done["source"] == "autoscaler", done
+        burst.stop()
+        assert burst.failures == [], burst.failures[:5]
+        assert burst.answered == burst.sent > 0
+        print(f"\njudge requests sent and answered: {burst.sent}")
+    finally:
+        if burst is not None:
+            burst.stop()
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=120)
+    text = console.read_text()
+    assert code == STOPPED, text[-4000:]
+    assert not processes_tagged(os.environ[TEST_TAG])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(row.get("genrm/engines") == 2 for row in metrics), metrics[-1]
+    operations = (run_dir / "scaling.jsonl").read_text().splitlines()
+    assert [json.loads(line)["operation"] for line in operations] == [
+        "scale_out", "scale_in", "scale_out"
+    ]  # fmt: skip
+
+
+def top_once(run_dir: Path) -> str:
+    """``relax-launch top RUN_DIR --once``, as printed to a wide terminal."""
+    env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN, "COLUMNS": "200"}
+    cli = Path(sys.executable).with_name("relax-launch")
+    done = subprocess.run(
+        [str(cli), "top", str(run_dir), "--once"], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def watch_top(gateway: str, seconds: float) -> str:
+    """The live view (``relax-launch top URL``) in a pseudo-terminal for ``seconds``, then
+    Ctrl-C: what it drew, escape codes removed."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN, "COLUMNS": "200", "LINES": "50"}
+    cli = Path(sys.executable).with_name("relax-launch")
+    view = subprocess.Popen(
+        [str(cli), "top", gateway, "--interval", "0.5"], stdin=follower, stdout=follower,
+        stderr=follower, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(follower)
+    drawn, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if select.select([leader], [], [], 0.2)[0]:
+            drawn += os.read(leader, 65536)
+    os.killpg(view.pid, signal.SIGINT)
+    assert view.wait(timeout=30) == 0
+    os.close(leader)
+    assert b"\x1b[" in drawn  # a terminal's live view, redrawn in place
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn.decode(errors="replace"))
+
+
+def _gateway(run_dir: Path, job: subprocess.Popen, console: Path) -> str | None:
+    assert job.poll() is None, console.read_text()[-4000:]
+    record = run_dir / "gateway.json"
+    return json.loads(record.read_text())["url"] if record.is_file() else None
+
+
+def _ready(gateway: str, job: subprocess.Popen, console: Path) -> bool:
+    assert job.poll() is None, console.read_text()[-4000:]
+    return httpx.get(f"{gateway}/ready", timeout=10).status_code == 200
+
+
+def _decisions(log: Path) -> list[dict] | None:
+    if not log.is_file():
+        return None
+    return [json.loads(line) for line in log.read_text().splitlines()] or None
