@@ -170,11 +170,19 @@ class EngineScaler:
             out[f"{role}/scale_operations"] = float(self.finished[role])
         return out
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Refuse new operations and wait (bounded) for those that run."""
+    def close(self) -> None:
+        """Refuse new operations and let those in flight end, each within its own bound: a
+        head rank starting an engine answers no other command (the job's stop) until then."""
         with self._lock:
             self.closed = True
-        deadline = Deadline(timeout_s)
+            running = list(self.active.values())
+        left = [op.started + op.timeout_s + REPLY_MARGIN_S - time.time() for op in running]
+        for op, seconds in zip(running, left, strict=True):
+            operator_log().warning(
+                f"relax-launch: waiting up to {seconds:.0f} s for the {op.role} {op.kind} in "
+                "flight to end"
+            )
+        deadline = Deadline(max(left, default=0.0))
         for thread in self._threads:
             thread.join(timeout=max(deadline.left(), 0.1))
 

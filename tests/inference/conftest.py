@@ -58,14 +58,18 @@ def serve(
     admin_token: str | None = ADMIN_TOKEN,
     renderers: dict[str, Renderer] | None = None,
     leases: Callable | None = None,
+    scaler: object | None = None,
     **config,
 ) -> Iterator[str]:
     """A real gateway (uvicorn thread) for ``managers``; yields its URL. ``leases``: the
-    coordinator's state, as a split/defer job sets it."""
+    coordinator's state, as a split/defer job sets it; ``scaler``: rank 0's scaler of the
+    elastic roles, as a job's session sets it."""
     app = InferenceGateway(
         managers, config=GatewayConfig(**config), admin_token=admin_token, renderers=renderers
     )
     app.admin.leases = leases
+    if scaler is not None:
+        app.scaling.scaler, app.admin.scaling = scaler, scaler.scaling
     server = GatewayServer(app, "127.0.0.1", 0)
     server.start()
     try:

@@ -5,15 +5,12 @@ answers in process; the real one runs in tests/rl/test_elastic_job.py."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import httpx
-from conftest import ADMIN_TOKEN, make_manager
+from conftest import ADMIN_TOKEN, make_manager, serve
 
 from relax_launch.inference.config import GatewayConfig
 from relax_launch.inference.gateway import InferenceGateway
 from relax_launch.inference.scale_routes import ScaleRefused
-from relax_launch.inference.serve import GatewayServer
 
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -52,19 +49,10 @@ class Scaler:
         return {"replicas": [{"index": 1, "state": "starting"}], "operation": None}
 
 
-@contextmanager
-def gateway(scaler: Scaler | None):
+def elastic_genrm():
     manager = make_manager("genrm", ["http://127.0.0.1:9"])
     manager.elastic = True
-    app = InferenceGateway({"genrm": manager}, config=GatewayConfig(), admin_token=ADMIN_TOKEN)
-    if scaler is not None:
-        app.scaling.scaler, app.admin.scaling = scaler, scaler.scaling
-    server = GatewayServer(app, "127.0.0.1", 0)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    return {"genrm": manager}
 
 
 def post(url: str, path: str, body: object, auth: dict | None = AUTH) -> httpx.Response:
@@ -76,7 +64,7 @@ def error(reply: httpx.Response) -> str:
 
 
 def test_scale_routes_answer_each_status():
-    with gateway(Scaler()) as url:
+    with serve(elastic_genrm(), scaler=Scaler()) as url:
         assert post(url, "/genrm/scale_out", {"num_replicas": 2}, auth=None).status_code == 401
         for wrong in ({"num_replicas": "2"}, {"num_replicas": 2, "extra": 1}, {}):
             reply = post(url, "/genrm/scale_out", wrong)
@@ -100,7 +88,7 @@ def test_scale_routes_answer_each_status():
 
 
 def test_before_the_session_the_routes_are_409_and_a_static_role_has_none():
-    with gateway(None) as url:
+    with serve(elastic_genrm()) as url:
         reply = post(url, "/genrm/scale_out", {"num_replicas": 2})
         assert reply.status_code == 409 and "still starting" in error(reply)
     manager = make_manager("teacher", ["http://127.0.0.1:9"])

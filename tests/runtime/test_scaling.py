@@ -295,3 +295,11 @@ def test_an_engine_that_starts_but_fails_its_health_check_is_stopped_and_never_r
     assert doc["state"] == "failed" and "HTTP 503" in doc["error"] and doc["actual"] == 1
     assert routed(scaler.manager) == ["tiny-llama/0"]
     assert [c.index for c in scaler.ranks.commands if isinstance(c, StopEngine)] == [1]
+
+
+def test_closing_lets_the_operation_in_flight_end_first(scaler):
+    scaler.ranks.gate = threading.Event()  # the head rank is starting the engine
+    op = scaler.request("genrm", "scale_out", 2)
+    threading.Timer(0.5, scaler.ranks.gate.set).start()
+    scaler.close()  # the job stops: its ranks take the stop once the start has ended
+    assert op.state == "succeeded" and op.finished is not None
