@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relax_launch import http
+from relax_launch.inference.engine_load import engine_load
 from relax_launch.run_dir import read_end_record, read_json
 
 TIMEOUT_S = 3.0
@@ -126,12 +127,9 @@ def _with_load(row: dict[str, Any]) -> dict[str, Any]:
     url = row.get("url")
     if not url or row.get("state") == "reserved":
         return row
-    loads = _get(f"{url}/v1/loads?include=core")
-    if isinstance(loads, dict):
-        entries = loads.get("loads") or []
-        row["queued"] = sum(e.get("num_waiting_reqs", 0) for e in entries)
-        row["running"] = sum(e.get("num_running_reqs", 0) for e in entries)
-        row["tokens_per_s"] = sum(e.get("gen_throughput", 0.0) for e in entries)
+    load = engine_load(url, TIMEOUT_S)
+    if load is not None:
+        row |= {"queued": load.queued, "running": load.running, "tokens_per_s": load.tokens_per_s}
     info = _get(f"{url}/model_info")
     if isinstance(info, dict):
         row["weight_version"] = info.get("weight_version")

@@ -44,7 +44,7 @@ class ScaleRequest(BaseModel):
         None,
         description="Bound of the whole operation: a scale-out's start (and, for rollout, the "
         "weight sync that takes the engine in), a scale-in's drain. Default: "
-        "cluster.startup_timeout_s (twice that for rollout) out, 60 s in.",
+        "cluster.startup_timeout_s (twice that for rollout) out, gateway.request_timeout_s in.",
     )
 
 

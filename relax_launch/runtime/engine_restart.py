@@ -120,7 +120,7 @@ class RolloutMembership:
         which = f"rollout engines {list(members)} take" if left else "every rollout engine takes"
         line = f"relax-launch: {which} weight version {weight_version}"
         if left:
-            line += f"; engines {left} are out of routing while they restart"
+            line += f"; engines {left} are out of routing (restarting or scaled in)"
         return f"{line} ({self.restarts} restarted so far)"
 
     def metrics(self) -> dict[str, float]:

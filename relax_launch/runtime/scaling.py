@@ -57,11 +57,13 @@ class EngineScaler:
         managers: dict[str, InferenceManager],
         call: Call,
         startup_timeout_s: float,
+        drain_timeout_s: float,
         sync_lock: threading.Lock,
         log_dir: Path,
     ) -> None:
         self.plan, self.managers, self._call = plan, managers, call
-        self.startup_timeout_s, self.sync_lock, self.log_dir = startup_timeout_s, sync_lock, log_dir
+        self.startup_timeout_s, self.drain_timeout_s = startup_timeout_s, drain_timeout_s
+        self.sync_lock, self.log_dir = sync_lock, log_dir
         self.roles = {
             role: self.plan.engines_of(role)
             for role in managers
@@ -242,8 +244,8 @@ class EngineScaler:
         return started[: self.count(role) - target]
 
     def _default_timeout(self, role: str, kind: str) -> float:
-        if kind == "scale_in":
-            return 60.0
+        if kind == "scale_in":  # what is left at the bound is generated again elsewhere
+            return self.drain_timeout_s
         # a rollout engine also waits for the next weight sync before it is routed
         return self.startup_timeout_s * (2 if role == "rollout" else 1)
 

@@ -131,7 +131,7 @@ def test_the_operator_line_names_the_engines_of_the_sync():
     line = members.describe((0, 2), 7)
     assert line == (
         "relax-launch: rollout engines [0, 2] take weight version 7; engines [1] are out of "
-        "routing while they restart (0 restarted so far)"
+        "routing (restarting or scaled in) (0 restarted so far)"
     )
     assert members.describe((0, 1, 2), 8).startswith(
         "relax-launch: every rollout engine takes weight version 8"

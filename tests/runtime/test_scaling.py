@@ -82,6 +82,7 @@ def scaler(tmp_path, monkeypatch):
         managers={"genrm": manager},
         call=ranks,
         startup_timeout_s=30,
+        drain_timeout_s=30,
         sync_lock=threading.Lock(),
         log_dir=tmp_path,
     )
