@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from relax_launch import platform
 from relax_launch.inference.engine import post, result
 from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
@@ -47,6 +48,7 @@ from relax_launch.models.build import ensure_model
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.broadcast_group import custom_group
 from relax_launch.weights.colocated import BucketSender
+from relax_launch.weights.engine_shards import EngineShards
 from relax_launch.weights.sync import TensorSpec, WeightSender, dtype_name
 from relax_launch.weights.update_session import Deadline, EngineTarget, UpdateSession
 
@@ -201,17 +203,85 @@ def from_disk(
             result(call, TIMEOUT_S)
 
 
-def synthetic_model(out: Path, layers: int = 9) -> Path:
-    """A random Llama of about 2 GB fp32 (hidden 2048, GQA 32/8 heads, ffn 5632, SmolLM2's
-    vocabulary and tokenizer), written once into ``out``."""
-    if (out / "model.safetensors").is_file():
-        return out
+def _with_smollm2_tokenizer(out: Path) -> dict:
+    """``out`` with SmolLM2's tokenizer files and config (returned, to be rewritten)."""
     out.mkdir(parents=True, exist_ok=True)
     smollm2 = ensure_model("builtin:smollm2-135m-instruct")
     for f in smollm2.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
             shutil.copy(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
+    return json.loads((out / "config.json").read_text())
+
+
+def moe_shaped_model(out: Path) -> Path:
+    """Qwen3-30B-A3B's layout and tensor count (48 layers of 128 experts, q/k norms, untied
+    head: 18,867 tensors) with its dimensions scaled down to about 1.35 GB fp32 (hidden 256,
+    expert width 64, SmolLM2's vocabulary): many small tensors, where the per-broadcast cost
+    shows. Written once into ``out``."""
+    if (out / "model.safetensors").is_file():
+        return out
+    config = _with_smollm2_tokenizer(out)
+    hidden, width, experts, layers, heads, kv, head_dim = 256, 64, 128, 48, 4, 2, 64
+    vocab = config["vocab_size"]
+    config = {
+        **{k: config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id") if k in config},
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "moe_intermediate_size": width,
+        "num_experts": experts,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": (head_dim,),
+            p + "self_attn.k_norm.weight": (head_dim,),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate.weight": (experts, hidden),
+        }
+        for e in range(experts):
+            shapes |= {
+                f"{p}mlp.experts.{e}.gate_proj.weight": (width, hidden),
+                f"{p}mlp.experts.{e}.up_proj.weight": (width, hidden),
+                f"{p}mlp.experts.{e}.down_proj.weight": (hidden, width),
+            }
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def synthetic_model(out: Path, layers: int = 9) -> Path:
+    """A random Llama of about 2 GB fp32 at 9 layers (hidden 2048, GQA 32/8 heads, ffn 5632,
+    SmolLM2's vocabulary and tokenizer, 0.18 GB a layer), written once into ``out``."""
+    if (out / "model.safetensors").is_file():
+        return out
+    config = _with_smollm2_tokenizer(out)
     hidden, ffn, heads, kv, vocab = 2048, 5632, 32, 8, config["vocab_size"]
     config.update(
         hidden_size=hidden,
@@ -243,7 +313,25 @@ def synthetic_model(out: Path, layers: int = 9) -> Path:
     return out
 
 
-def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
+MODELS = {
+    "smollm2": lambda cache: ensure_model("builtin:smollm2-135m-instruct"),
+    "synthetic-2gb": lambda cache: synthetic_model(cache / "synthetic-2gb"),
+    "moe-shaped": lambda cache: moe_shaped_model(cache / "moe-shaped"),
+    "dense-same-bytes": lambda cache: synthetic_model(cache / "dense-same-bytes", layers=5),
+}
+METHODS = ("ours", "bucket", "per-tensor", "disk")
+
+
+def engine_shards(model_dir: Path, tp: int) -> EngineShards:
+    """How engines of ``tp`` ranks hold the model's weights (each rank is sent its slice)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    return EngineShards(tp, heads, kv, pads_for_tp=platform.engine_pads_for_tp("cpu"))
+
+
+def run(
+    engines: int, model_dir: Path, log_dir: Path, chosen: list[str], tp: int = 1
+) -> dict[str, float]:
     weights = load_file(str(model_dir / "model.safetensors"))
     fused = fuse_for_engine(weights)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -252,6 +340,8 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
             model_path=model_dir,
             device="cpu",
             log_path=log_dir / f"engine{i}.log",
+            tp_size=tp,
+            extra_env=platform.thread_env("cpu", tp, ranks=tp, engine_ranks=tp),
             engine={"max_total_tokens": 4096, "dtype": "float32"},
         )
         for i in range(engines)
@@ -259,14 +349,15 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
     try:
         for s in servers:
             s.start(timeout_s=TIMEOUT_S)
-        targets = [EngineTarget(s.url, 1 + i, f"engine {i}") for i, s in enumerate(servers)]
+        targets = [EngineTarget(s.url, 1 + i, f"engine {i}", tp) for i, s in enumerate(servers)]
         sender = WeightSender(
             targets=targets,
-            world_size=1 + engines,
+            world_size=1 + engines,  # in each TP index's group: the sender, one rank an engine
             group_name="bench",
             host="127.0.0.1",
             port=free_port(),
-            backend="gloo",
+            backend=platform.weight_sync_backend("cpu"),
+            shards=engine_shards(model_dir, tp),
         )
         sender.connect(TIMEOUT_S)
         colocated = {}
@@ -276,11 +367,13 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
             )
             colocated[name].connect(TIMEOUT_S)
         synced = {"ours": Ours(sender, fused)} | {n: Ours(c, fused) for n, c in colocated.items()}
+        synced = {name: method for name, method in synced.items() if name in chosen}
         methods = {
             **synced,
             "per-tensor": lambda: per_tensor(sender, weights),
             "disk": lambda: from_disk(sender, servers, weights, model_dir),
         }
+        methods = {name: method for name, method in methods.items() if name in chosen}
         times = {name: [] for name in methods}
         resident = psutil.Process().memory_info().rss  # before the first sync
         for _ in range(ROUNDS):  # interleaved: a slow spell of the machine hits every method
@@ -297,21 +390,26 @@ def run(engines: int, model_dir: Path, log_dir: Path) -> dict[str, float]:
     finally:
         for s in servers:
             s.stop()
-    ceiling = Ceiling(nbytes, engines)  # with the engines gone: the machine's own floor
+    # with the engines gone: the machine's own floor, the same bytes out of the sender as ours
+    # (with TP-2 engines ours sends each half once, in its TP index's group)
+    ceiling = Ceiling(nbytes, engines)
     results["ceiling"] = statistics.median(_timed_rounds(ceiling)[WARMUP:])
     ceiling.close()
-    report(model_dir, engines, nbytes, results, synced)
+    report(f"{model_dir.name}, {engines} engine(s) of TP {tp}", nbytes, len(fused), results, synced)
     print(f"  the sender's resident memory grew {grown / 1e6:.0f} MB over every method's syncs")
     return results
 
 
 def report(
-    model_dir: Path, engines: int, nbytes: int, results: dict[str, float], synced: dict
+    title: str,
+    nbytes: int,
+    tensors: int,
+    results: dict[str, float],
+    synced: dict,
 ) -> None:
     gb = nbytes / 1e9
     print(
-        f"\n{model_dir.name}, {engines} engine(s), {gb:.3f} GB, "
-        f"median of {REPEATS} after {WARMUP} warm-up:"
+        f"\n{title}, {gb:.3f} GB in {tensors} tensors, median of {REPEATS} after {WARMUP} warm-up:"
     )
     for name, seconds in results.items():
         print(
@@ -334,18 +432,33 @@ def main() -> None:
         "--models",
         nargs="+",
         default=["smollm2", "synthetic-2gb"],
-        choices=["smollm2", "synthetic-2gb"],
+        choices=list(MODELS),
+        help="moe-shaped: Qwen3-30B-A3B's 18,867 tensors in 1.35 GB; dense-same-bytes: the "
+        "synthetic Llama at 5 layers, 1.29 GB in 48 tensors",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=list(METHODS),
+        help="besides the ceiling, always measured",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="engine TP sizes; past 1 only 'ours' runs (the others have no per-rank form)",
     )
     args = parser.parse_args()
+    cache = Path.home() / ".cache" / "relax-launch" / "bench-models"  # large: made once
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {
-            "smollm2": lambda: ensure_model("builtin:smollm2-135m-instruct"),
-            "synthetic-2gb": lambda: synthetic_model(Path(tmp) / "synthetic-2gb"),
-        }
         for model in args.models:
-            model_dir = dirs[model]()
-            for engines in args.engines:
-                run(engines, model_dir, Path(tmp))
+            model_dir = MODELS[model](cache)
+            for tp in args.tp:
+                methods = args.methods if tp == 1 else ["ours"]
+                for engines in args.engines:
+                    run(engines, model_dir, Path(tmp), methods, tp)
 
 
 if __name__ == "__main__":

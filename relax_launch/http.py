@@ -35,6 +35,14 @@ def unreachable(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientConnectionError) and not isinstance(exc, TimeoutError)
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refused connection: the host answers, but nothing listens on the
+    port (the server's process is gone), unlike a timeout or a dropped connection."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+        exc.os_error, ConnectionRefusedError
+    )
+
+
 @dataclass(frozen=True)
 class Reply:
     """A whole HTTP reply, read before its connection went back to the pool."""

@@ -9,6 +9,10 @@ Parts, each rows of one table (exit 1 if any row fails):
                steps that lower the loss, Megatron's model-parallel RNG seeded
   offload      trainer state (params, grads, optimizer) offloaded: the device memory it held is
                free (CUDA allocator, or this process's RSS on the CPU), then onloaded bit-exact
+  collectives  the weight sync's wait on its own backend (NCCL on a GPU; on the CPU gloo with
+               NCCL's semantics): a broadcast queued 2 s behind a kernel, waited for by the
+               project's helper without an abort, and beside it what ``wait(timeout)`` does
+               to the same kind of broadcast (it aborts the group)
   colocated    the colocated weight transport between two processes on the one device: buckets
                handed over by CUDA IPC (shared memory on the CPU) into a receiving process's
                model through the engines' receiver code, every byte checked
@@ -243,6 +247,72 @@ def colocated_rows(device: str) -> list[Row]:
     ]  # fmt: skip
 
 
+def slow_broadcast(device: str, seconds: float):
+    """A one-rank group of the weight sync's backend and a broadcast in it that completes
+    ``seconds`` from now: on a GPU queued behind a kernel that sleeps that long (NCCL's stream
+    waits for the current one), on the CPU slowed by the CPU backend's test setting."""
+    import torch
+    import torch.distributed as dist
+
+    from relax_launch import platform
+    from relax_launch.platform.nccl_semantics import SLOW_BROADCAST_ENV
+
+    os.environ[SLOW_BROADCAST_ENV] = str(seconds if device == "cpu" else 0)
+    group = dist.new_group([0], backend=platform.weight_sync_backend(device))
+    tensor = torch.ones(1024, device=platform.torch_device(device))
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10**7)
+        end.record()
+        end.synchronize()
+        cycles_per_s = 10**7 / (start.elapsed_time(end) / 1000)
+        torch.cuda._sleep(int(seconds * cycles_per_s))
+    return group, dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+
+
+def collective_rows(device: str) -> list[Row]:
+    """The wait the weight sync uses, and the one it must not use, on queued broadcasts."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from relax_launch.deadline import Deadline
+    from relax_launch.weights.collective_wait import wait_for
+
+    group, work = slow_broadcast(device, 2.0)
+    waited = wait_for(work, Deadline(60), "the check's broadcast")
+    rows = [("collectives: broadcast 2 s behind a kernel, polled (wait_for)",
+             f"waited {waited:.1f} s", waited >= 1.5)]  # fmt: skip
+    rows.append(("collectives: the group usable after it", "yes", _usable(device, group)))
+    group_b, work_b = slow_broadcast(device, 2.0)
+    try:
+        work_b.wait(timedelta(seconds=1))
+        outcome, aborted = "returned without an error", False
+    except Exception as exc:  # noqa: BLE001 - what NCCL raises is the row's content
+        outcome, aborted = f"raised {type(exc).__name__}", True
+    usable = _usable(device, group_b)
+    name = "collectives: beside it, wait(timeout=1 s) on the same broadcast"
+    rows.append((name, f"{outcome}; group usable after: {usable}", aborted and not usable))
+    for done in (group, group_b):
+        dist.destroy_process_group(done)
+    return rows
+
+
+def _usable(device: str, group) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    from relax_launch import platform
+
+    try:
+        tensor = torch.ones(4, device=platform.torch_device(device))
+        dist.broadcast(tensor, group=group, group_src=0)
+        return True
+    except Exception:  # noqa: BLE001 - an aborted group's error, whatever its type
+        return False
+
+
 def engine_rows(device: str, work: Path) -> list[Row]:
     """The engine parts, where SGLang is installed: the sync-and-parity job, then RL steps."""
     if importlib.util.find_spec("sglang") is None:
@@ -295,6 +365,7 @@ def main() -> int:
             rows += trainer_part
         rows += offload_rows(args.device, trainer)
         del trainer
+        rows += collective_rows(args.device)
         rows += colocated_rows(args.device)
         if not args.no_engines:
             rows += engine_rows(args.device, Path(tempfile.mkdtemp(prefix="relax-gpu-check-")))

@@ -31,6 +31,9 @@ def test_the_gpu_check_passes_its_cpu_dry_run(tmp_path):
         "offload: device memory released",
         "onload: logprobs bit-identical",
         "colocated transport (shared memory, 2 processes)",
+        "collectives: broadcast 2 s behind a kernel, polled (wait_for)",
+        "collectives: the group usable after it",
+        "collectives: beside it, wait(timeout=1 s) on the same broadcast",
     ):
         assert f"| {check}" in rows and "| NO |" not in rows, rows
     assert "gpu_check: passed" in done.stdout

@@ -10,8 +10,10 @@ script does, and why:
 - ``srun --kill-on-bad-exit=1``: a node whose agent fails takes the others down with it.
 - Every run writes into its own directory, ``{logging.dir}/job-$SLURM_JOB_ID`` (rank logs,
   metrics, ``torchrun-node<N>.log``); rank 0's console goes to ``slurm-<id>.out`` beside it.
-- ``--signal=B:USR1@120``: 120 s before the time limit Slurm signals the batch shell, which
-  writes the run's ``STOP`` file; rank 0 then checkpoints and stops the job (exit 75). With
+- ``--signal=B:USR1@N``: N s before the time limit Slurm signals the batch shell, which
+  writes the run's ``STOP`` file; rank 0 then finishes the train step or sync in flight,
+  checkpoints and stops the job (exit 75). N is ``cluster.stop_lead_s``; ``auto`` measures
+  those two in the newest ``metrics.jsonl`` under ``logging.dir`` (``stop_lead``). With
   ``--requeue`` the script then requeues the job, and ``checkpoint.resume=true`` (always passed)
   makes the requeued job continue from that checkpoint (with ``checkpoint.dir`` unset, from the
   run directory's, which a requeued job keeps: its id does not change).
@@ -22,6 +24,8 @@ script does, and why:
 
 from __future__ import annotations
 
+import json
+import math
 import shlex
 import subprocess
 import sys
@@ -33,7 +37,14 @@ from relax_launch.config.job import JobConfig
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import summary
 
-PRE_TIMEOUT_S = 120  # Slurm's warning before the time limit: time to checkpoint and stop
+# cluster.stop_lead_s=auto: Slurm's warning comes STOP_MARGIN x (step in flight + checkpoint
+# write) + STOP_FIXED_S (the stop's notice and the shutdown) early, at least MIN_LEAD_S; a job
+# with no checkpoint measured yet gets NEW_JOB_LEAD_S (a GPU job's optimizer state is GBs).
+STOP_MARGIN, STOP_FIXED_S, MIN_LEAD_S = 1.5, 30.0, 120
+NEW_JOB_LEAD_S = {"cpu": 120, "cuda": 600}
+# what a stop lets finish (docs/operations.md): the train step, the sync, colocated moves
+IN_FLIGHT_KEYS = ("time/train", "time/sync")
+MOVE_PREFIXES = ("time/onload_", "time/offload_")
 PORT_BASE = 20000  # + job id % 20000: the rendezvous port, the same on every node of a job
 
 
@@ -48,6 +59,55 @@ class SbatchOptions:
     requeue: bool = False
 
 
+@dataclass(frozen=True)
+class StopLead:
+    """How early Slurm's time-limit warning comes, and how that was decided."""
+
+    seconds: int
+    why: str
+
+
+def stop_lead(job: JobConfig, metrics: Path | None) -> StopLead:
+    """``cluster.stop_lead_s``, or for ``auto`` the lead ``metrics`` (an earlier run's
+    metrics.jsonl, None for none) calls for: its longest step in flight and checkpoint write."""
+    stated = job.cluster.stop_lead_s
+    if stated != "auto":
+        return StopLead(math.ceil(stated), "cluster.stop_lead_s")
+    rows = _rows(metrics) if metrics is not None else []
+    written = [r["time/checkpoint"] for r in rows if "time/checkpoint" in r]
+    if not written:
+        seconds = NEW_JOB_LEAD_S.get(job.cluster.device, MIN_LEAD_S)
+        return StopLead(seconds, f"no checkpoint write measured yet ({job.cluster.device} job)")
+    in_flight = max(
+        sum(v for k, v in r.items() if k in IN_FLIGHT_KEYS or k.startswith(MOVE_PREFIXES))
+        for r in rows
+    )
+    seconds = max(MIN_LEAD_S, math.ceil(STOP_MARGIN * (in_flight + max(written)) + STOP_FIXED_S))
+    return StopLead(
+        seconds,
+        f"{STOP_MARGIN} x (step in flight {in_flight:.0f} s + checkpoint {max(written):.0f} s) "
+        f"+ {STOP_FIXED_S:.0f} s, measured in {metrics}",
+    )
+
+
+def newest_metrics(log_root: Path) -> Path | None:
+    """The newest metrics.jsonl of the job's earlier runs: ``relax-launch run``'s in
+    ``log_root``, each sbatch run's in ``log_root/job-<id>``."""
+    candidates = [log_root / "metrics.jsonl", *log_root.glob("job-*/metrics.jsonl")]
+    found = [p for p in candidates if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def _rows(metrics: Path) -> list[dict[str, float]]:
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed job
+    return [r for r in rows if isinstance(r, dict)]
+
+
 def render(
     job: JobConfig,
     plan: PlacementPlan,
@@ -55,10 +115,14 @@ def render(
     overrides: tuple[str, ...],
     options: SbatchOptions,
     python: str = sys.executable,
+    lead: StopLead | None = None,
 ) -> str:
     """The sbatch script of ``job`` placed as ``plan`` (see the module docstring); its agents
-    run ``python`` (default: this interpreter, i.e. the environment relax-launch runs in)."""
+    run ``python`` (default: this interpreter, i.e. the environment relax-launch runs in).
+    ``lead``: Slurm's warning before the time limit (default: ``stop_lead`` from the job's
+    newest earlier run)."""
     log_root = Path(job.log_dir)
+    lead = lead or stop_lead(job, newest_metrics(log_root))
     args = [config_path, *overrides, "logging.dir=$RELAX_RUN_DIR"]
     if not any(o.startswith("checkpoint.resume=") for o in overrides):
         args.append("checkpoint.resume=true")  # a requeued or resubmitted job continues
@@ -71,7 +135,8 @@ def render(
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --exclusive",
         f"#SBATCH --output={log_root}/slurm-%j.out",
-        f"#SBATCH --signal=B:USR1@{PRE_TIMEOUT_S}",
+        f"# stop lead {lead.seconds} s: {lead.why}",
+        f"#SBATCH --signal=B:USR1@{lead.seconds}",
         *_optional_directives(options),
         "",
         *_body(plan, args, options, log_root, python),
@@ -207,7 +272,8 @@ def render_examples() -> dict[str, str]:
     scripts = {}
     for config_path, options, name in EXAMPLES:
         job = load_config(config_path, ())
-        scripts[name] = render(job, place(job), config_path, (), options, python="python")
+        lead = stop_lead(job, None)  # not this checkout's runs: the same script everywhere
+        scripts[name] = render(job, place(job), config_path, (), options, "python", lead)
     return scripts
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -27,6 +28,8 @@ from relax_launch.rl.config import (
 )
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
+
+ROLLOUT_WAIT_REQUESTS = 3  # request timeouts a step's rollout may take (see rollout_wait_s)
 
 
 class JobConfig(Section):
@@ -143,6 +146,20 @@ class JobConfig(Section):
             f"truncated at {self.algorithm.rollout_correction_cap} (token_tis); set "
             "algorithm.rollout_correction=none to train without it."
         )
+
+    def request_timeout_s(self) -> float:
+        """gateway.request_timeout_s with ``auto`` resolved from this job's work: every sample
+        of a step queued on one rollout engine, each at its longest prompt and response."""
+        samples = self.data.prompts_per_step * self.algorithm.n_samples_per_prompt
+        per_sample = self.data.max_prompt_tokens + self.data.max_response_tokens
+        queued = math.ceil(samples / self.rollout.num_engines) * per_sample
+        return self.gateway.timeout_s(queued)
+
+    def rollout_wait_s(self) -> float:
+        """How long a step waits for its rollout: ROLLOUT_WAIT_REQUESTS request timeouts, one
+        each for generation, teacher scoring and judging (all of a phase's requests are sent
+        at once, so each phase ends within one request timeout)."""
+        return ROLLOUT_WAIT_REQUESTS * self.request_timeout_s()
 
     def rollout_model(self) -> str:
         """The rollout engines' model: rollout.model, or the trainer's."""

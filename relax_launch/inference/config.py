@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -9,6 +10,12 @@ from pydantic import Field, field_validator, model_validator
 from relax_launch.config.section import Section
 
 RoutingPolicy = Literal["round_robin", "affinity"]
+# gateway.request_timeout_s=auto: a request may queue behind every token of the step's batch on
+# its engine; an engine is assumed to get through at least AUTO_TOKENS_PER_S of them (prompt
+# and response; a GPU engine batch-decodes several times that), and never less than the old
+# CPU-sized AUTO_FLOOR_S, so a toy job keeps its bound.
+AUTO_TOKENS_PER_S = 500.0
+AUTO_FLOOR_S = 300.0
 
 # SGLang server arguments that the planner sets per engine; a user value would contradict it.
 PLANNER_OWNED_ENGINE_KEYS = frozenset(
@@ -257,7 +264,14 @@ class GatewayConfig(Section):
         "RELAX_ADMIN_TOKEN", description="Environment variable holding the admin bearer token."
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Upstream request timeout, seconds.")
+    request_timeout_s: float | Literal["auto"] = Field(
+        "auto",
+        description="One engine request's bound, seconds, its time queued on the engine "
+        "included (then 504). 'auto': the step's batch queued on one rollout engine at 500 "
+        "tokens/s, i.e. ceil(data.prompts_per_step x algorithm.n_samples_per_prompt / rollout "
+        "engines) x (data.max_prompt_tokens + data.max_response_tokens) / 500, at least 300 s. "
+        "A step's rollout waits 3 times this bound (generation, teacher scoring, judging).",
+    )
     routing_policy: RoutingPolicy = Field(
         "round_robin",
         description="Engine choice, every role and route mode: 'round_robin' takes the engines "
@@ -269,3 +283,18 @@ class GatewayConfig(Section):
         description="Rollout traffic straight to engines, or through sglang-router (started with "
         "routing_policy: its round_robin, or its manual policy keyed by x-smg-routing-key).",
     )
+
+    @field_validator("request_timeout_s")
+    @classmethod
+    def _timeout_positive(cls, timeout: float | str) -> float | str:
+        if timeout != "auto" and timeout <= 0:
+            raise ValueError(f"{timeout} s ends every request at once: set seconds > 0, or auto")
+        return timeout
+
+    def timeout_s(self, queued_tokens_per_engine: int = 0) -> float:
+        """request_timeout_s in seconds: the stated number, or for ``auto`` the time an engine
+        at AUTO_TOKENS_PER_S takes for the tokens queued on it (at least AUTO_FLOOR_S; a gateway
+        built without a job, which knows no batch, gets the floor)."""
+        if self.request_timeout_s != "auto":
+            return self.request_timeout_s
+        return max(AUTO_FLOOR_S, float(math.ceil(queued_tokens_per_engine / AUTO_TOKENS_PER_S)))

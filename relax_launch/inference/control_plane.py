@@ -116,9 +116,14 @@ class ControlPlane:
         admin_token: str | None,
         log_dir: Path,
         operation_timeout_s: float = 120.0,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.specs = {spec.role: spec for spec in roles}
         self.config, self.log_dir = gateway, log_dir
+        # one engine request's bound (the job sizes auto by its batch), gateway and controller
+        self.request_timeout_s = (
+            gateway.timeout_s() if request_timeout_s is None else request_timeout_s
+        )
         self.managers = {s.role: build_manager(s, gateway, operation_timeout_s) for s in roles}
         renderers = {s.role: chat_renderer(s.model_dir) for s in roles if s.role == "genrm"}
         app = InferenceGateway(
@@ -127,12 +132,13 @@ class ControlPlane:
             admin_token=admin_token,
             renderers=renderers,
             run_dir=log_dir,
+            request_timeout_s=self.request_timeout_s,
         )
         self.server = GatewayServer(app, gateway.host, gateway.port)
         # the controller's requests are counted beside the gateway's, on its /metrics
         self.engines = EngineClients(
             self.managers,
-            timeout_s=gateway.request_timeout_s,
+            timeout_s=self.request_timeout_s,
             renderers=renderers,
             registry=app.metrics.registry,
         )

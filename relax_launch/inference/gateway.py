@@ -81,11 +81,13 @@ class InferenceGateway:
         admin_token: str | None,
         renderers: dict[str, Renderer] | None = None,
         run_dir: Path | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.managers, self.config, self.run_dir = managers, config, run_dir
         self.renderers = renderers or {}
+        self.timeout_s = request_timeout_s or config.timeout_s()  # the job's, else auto's floor
         self.resolver, self.metrics = RouteResolver(), GatewayMetrics(managers)
-        self.upstream = Upstream(config.request_timeout_s)
+        self.upstream = Upstream(self.timeout_s)
         self.app = FastAPI(
             title="relax-launch inference gateway",
             version="2",
@@ -288,8 +290,7 @@ class InferenceGateway:
                 return await self.upstream.stream(url, body, headers)
             return await self.upstream.forward(url, body, headers)
         pair = PairRequest(
-            self.upstream.session, target.prefill, path, body, headers,
-            self.config.request_timeout_s,
+            self.upstream.session, target.prefill, path, body, headers, self.timeout_s,
         )  # fmt: skip
         if stream:
             prefill = pair.prefill_until_failure()
@@ -331,8 +332,7 @@ class InferenceGateway:
             raise HTTPException(400, "chat_template_kwargs must be an object")
         try:
             prompt = await asyncio.wait_for(
-                asyncio.to_thread(render, payload["messages"], kwargs),
-                self.config.request_timeout_s,
+                asyncio.to_thread(render, payload["messages"], kwargs), self.timeout_s
             )
         except TimeoutError:
             why = "rendering the judge prompt passed the request deadline"

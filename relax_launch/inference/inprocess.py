@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
 from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer
+from relax_launch.inference.health import HealthProbe
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.requests import vocabulary_problem
 from relax_launch.inference.routing import (
@@ -44,7 +45,6 @@ log = logging.getLogger("relax_launch.inference")
 KEEPALIVE_S = 4.0
 MAX_CONNECTIONS = 2048  # as many concurrent requests as the gateway's pool takes
 WAIT_MARGIN_S = 30.0  # run()'s default bound, beyond one request's deadline and one retry
-HEALTH_S = 2.0  # an engine that does not answer /health this fast after a dropped request is gone
 BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -108,11 +108,15 @@ class EngineClient:
         timeout_s: float,
         metrics: ControllerMetrics,
         render: Renderer | None = None,
+        probe: HealthProbe | None = None,
     ) -> None:
         self.manager, self.role = manager, manager.role
         self.session: aiohttp.ClientSession | None = None  # the job's session, once started
         self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
         self.render = render  # the genrm role's judge form (chat messages in)
+        self.probe = probe or HealthProbe()  # when an engine that dropped a request is gone
+        # engine id -> its probe in progress: the requests it dropped all wait on one
+        self._probes: dict[str, asyncio.Future[str | None]] = {}
 
     async def request(self, path: str, payload: dict, *, affinity_key: str | None = None) -> Any:
         """POST ``payload`` to the engine the gateway would choose; returns the parsed reply."""
@@ -183,8 +187,8 @@ class EngineClient:
     async def _post_or_reroute(
         self, prepared: Prepared, path: str, payload: dict, affinity_key: str | None
     ) -> http.Reply:
-        """``_post``; on a fault-tolerant role, an engine that cannot be reached and fails a
-        health check leaves routing and the request goes to another engine (what it was
+        """``_post``; on a fault-tolerant role, an engine that cannot be reached and is gone
+        (``_engine_died``) leaves routing and the request goes to another engine (what it was
         generating died with it), until none is left (503). So does a request that was still
         on an engine a scale-in stopped."""
         while True:
@@ -198,26 +202,31 @@ class EngineClient:
             prepared = self._route(path, payload, affinity_key)
 
     async def _engine_died(self, error: EngineUnreachable) -> bool:
-        """Whether the engine behind ``error`` is gone (then it is out of routing now)."""
+        """Whether the engine behind ``error`` is gone (then it is out of routing now): its
+        port refuses connections, or it failed ``self.probe``'s probes (``health.py``)."""
         engine = next((e for e in self.manager.engines if error.url.startswith(e.url + "/")), None)
         if engine is None:
             return False
-        try:
-            alive = (
-                await http.fetch(self.session, "GET", engine.url + "/health", timeout_s=HEALTH_S)
-            ).ok
-        except (http.TransportError, TimeoutError):
-            alive = False
-        if not alive and engine.engine_id not in self.manager.lost:
+        if engine.engine_id in self.manager.lost:
+            return True
+        probe = self._probes.get(engine.engine_id)
+        if probe is None:
+            probe = self._probes[engine.engine_id] = asyncio.ensure_future(
+                self.probe.gone(self.session, engine.url)
+            )
+            probe.add_done_callback(lambda _: self._probes.pop(engine.engine_id, None))
+        gone = await asyncio.shield(probe)  # one request cancelled does not end the probe
+        if gone is not None and engine.engine_id not in self.manager.lost:
             log.warning(
-                "%s engine %s is gone (%s): routing around it",
+                "%s engine %s is gone (%s; %s): routing around it until it answers",
                 self.role,
                 engine.engine_id,
                 error.message,
+                gone,
             )
-            self.manager.engine_lost(engine.engine_id, error.message)
+            self.manager.engine_lost(engine.engine_id, f"{error.message}; {gone}")
             self.metrics.engines_lost.labels(self.role).inc()
-        return not alive
+        return gone is not None
 
     async def _judge(self, payload: dict, affinity_key: str | None) -> tuple[dict, str]:
         """The gateway's judge form: chat messages in, ``{"response": text}`` out."""
@@ -266,6 +275,7 @@ class EngineClients:
         timeout_s: float,
         renderers: dict[str, Renderer] | None = None,
         registry: CollectorRegistry | None = None,
+        probe: HealthProbe | None = None,
     ) -> None:
         self.timeout_s, self.metrics = timeout_s, ControllerMetrics(registry)
         self.runner: http.Portal | None = None
@@ -281,6 +291,7 @@ class EngineClients:
                 timeout_s=timeout_s,
                 metrics=self.metrics,
                 render=(renderers or {}).get(role),
+                probe=probe,
             )
             for role, manager in managers.items()
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from relax_launch.config.section import Section
 
@@ -33,6 +33,22 @@ class ClusterConfig(Section):
         description="A rank silent this long (its process or node died), or a store that does "
         "not answer this long, ends the job on every node, seconds.",
     )
+    stop_lead_s: float | Literal["auto"] = Field(
+        "auto",
+        description="relax-launch sbatch: seconds before the time limit Slurm asks the job to "
+        "stop (--signal=B:USR1@N, at least 60: Slurm's resolution), to finish the train step or "
+        "sync in flight and write a checkpoint. 'auto': 1.5 x (the longest train + sync + memory "
+        "moves of a step, plus the longest checkpoint write) + 30 s, measured in the newest "
+        "metrics.jsonl under logging.dir, at least 120 s; with no checkpoint measured yet, 120 s "
+        "on cpu and 600 s on cuda.",
+    )
+
+    @field_validator("stop_lead_s")
+    @classmethod
+    def _lead_slurm_can_keep(cls, lead: float | str) -> float | str:
+        if lead != "auto" and lead < 60:
+            raise ValueError(f"{lead} s is below Slurm's 60 s resolution: set 60 or more, or auto")
+        return lead
 
 
 class PlacementConfig(Section):

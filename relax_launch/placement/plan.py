@@ -127,15 +127,26 @@ class WeightSyncGroup:
     ep_rank: int = 0  # with expert parallelism, each EP rank sends its own experts
 
 
+def shared_tp_size(engines: Iterable[EnginePlan]) -> int | None:
+    """The TP size every one of these engines has; None when they differ (e.g. the prefill and
+    decode halves of a disaggregated role)."""
+    sizes = {engine.tp_size for engine in engines}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def sync_rank_offsets(
     engines: Iterable[EnginePlan],
 ) -> tuple[tuple[tuple[int, int], ...], int]:
     """A broadcast group of a sender (rank 0) and these rollout engines: each engine's
-    (index, first rank in the group), and the group's size. Its workers follow one another."""
+    (index, first rank in the group), and the group's size. Its workers follow one another.
+    Engines of one TP size take one group per TP index (TP rank k receives its slice of every
+    weight in group k): each group holds one worker per pipeline stage of every engine."""
+    engines = list(engines)
+    by_tp_index = shared_tp_size(engines) is not None
     offsets, next_offset = [], 1
     for engine in engines:
         offsets.append((engine.index, next_offset))
-        next_offset += len(engine.ranks)
+        next_offset += engine.pp_size if by_tp_index else len(engine.ranks)
     return tuple(offsets), next_offset
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax_launch.placement.plan import PlacementPlan, RankPlan, RoleAssignment
+from relax_launch.placement.plan import PlacementPlan, RankPlan, RoleAssignment, shared_tp_size
 
 ROLE_COLOURS = {
     "trainer": "#4C72B0",
@@ -77,11 +77,17 @@ def summary(plan: PlacementPlan) -> str:
             f"tp={e.tp_size} pp={e.pp_size} node(s) {','.join(map(str, e.nodes))}{pair}"
         )
     lines.append("phase order: " + " -> ".join(plan.phase_order))
+    rollout = [e for e in plan.engines_of("rollout") if not e.reserved]
+    tp_size = shared_tp_size(rollout)
     for g in plan.weight_sync_groups:
         ep = f" ep{g.ep_rank}" if t.ep_size > 1 else ""
+        by_tp_rank = (tp_size or 1) > 1 and plan.mode not in ("split", "defer")  # no buckets
+        groups = f" in each of {tp_size} groups by engine TP rank" if by_tp_rank else ""
+        whole = " (engines of different TP sizes: whole tensors)" if tp_size is None else ""
         lines.append(
             f"weight sync pp{g.pp_rank}{ep}: source rank {g.source_rank} -> "
-            f"{g.world_size - 1} rollout worker(s) in {len(g.engine_rank_offsets)} engine(s)"
+            f"{g.world_size - 1} rollout worker(s){groups} in {len(g.engine_rank_offsets)} "
+            f"engine(s){whole}"
         )
     return "\n".join(lines)
 

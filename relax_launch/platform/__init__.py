@@ -24,6 +24,33 @@ def dist_backend(device: Device) -> str:
     return "gloo" if device == "cpu" else "nccl"
 
 
+def weight_sync_backend(device: Device) -> str:
+    """Backend of the weight sync's broadcast groups: NCCL on GPUs; on the CPU gloo behind
+    NCCL's waits and aborts (``nccl_semantics``), so a wait that is wrong under NCCL fails here
+    too. Registers it in this process."""
+    if device != "cpu":
+        return "nccl"
+    from relax_launch.platform.nccl_semantics import register
+
+    return register()
+
+
+def engine_pads_for_tp(device: Device) -> bool:
+    """Whether SGLang's engine on ``device`` pads intermediate sizes to a multiple of 32 per TP
+    rank, and attention heads TP does not divide: its CPU engine does
+    (``adjust_config_with_unaligned_cpu_tp``), its GPU engine does not."""
+    return device == "cpu"
+
+
+def sync_bucketing(device: Device) -> tuple[int, int]:
+    """The weight sync's buckets (``receiver.broadcast_plan``): tensors under the first size, in
+    bytes, travel together in broadcasts of about the second. Below about 1 MiB a gloo
+    broadcast costs its fixed 0.35 ms more than its bytes; NCCL's fixed cost (launch, latency:
+    tens of microseconds) matches its transfer at several MB over NVLink, and a GPU copies a
+    bucket out at a TB/s."""
+    return (1 << 20, 32 << 20) if device == "cpu" else (8 << 20, 64 << 20)
+
+
 def torch_device(device: Device, local_rank: int = 0) -> str:
     """The torch device string of one rank."""
     return "cpu" if device == "cpu" else f"cuda:{local_rank}"

@@ -73,6 +73,8 @@ class RLContext:
     score: Score
     collect: Collect
     correction: str = "none"  # algorithm.rollout_correction with auto resolved (by the job)
+    # how long a step waits for its rollout: 3 request timeouts, sized by the job's batch
+    rollout_wait_s: float = 900.0
     evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
     exports: PolicyExports | None = None  # Hugging Face exports during the run
 

@@ -29,9 +29,6 @@ from relax_launch.rl.dynamic_sampling import keep_groups_with_signal
 from relax_launch.rl.rollout import score_with_teacher
 from relax_launch.rl.samples import Sample
 
-# The background rollout's requests each time out after gateway.request_timeout_s (300 s by
-# default); this bounds the wait for all of them with room to spare.
-ROLLOUT_WAIT_S = 900.0
 clock = time.perf_counter  # the phase clock
 
 
@@ -199,12 +196,14 @@ def drop_stale(samples: list[Sample], *, trainer_version: int, bound: int) -> in
     return stale
 
 
-def wait_for_rollout(upcoming: Future[RolloutBatch], step: int) -> None:
-    """Block until the background rollout is done; its error, if any, is raised here."""
+def wait_for_rollout(upcoming: Future[RolloutBatch], step: int, timeout_s: float) -> None:
+    """Block until the background rollout is done, at most ``timeout_s`` (the context's
+    ``rollout_wait_s``); its error, if any, is raised here."""
     try:
-        upcoming.result(timeout=ROLLOUT_WAIT_S)
+        upcoming.result(timeout=timeout_s)
     except TimeoutError:
         raise TimeoutError(
-            f"the background rollout of step {step + 1} did not finish within {ROLLOUT_WAIT_S:.0f}"
-            " s; check the rollout engines' logs and the gateway's /metrics"
+            f"the background rollout of step {step + 1} did not finish within {timeout_s:.0f} s "
+            "(3 x gateway.request_timeout_s; raise it for a larger batch); check the rollout "
+            "engines' logs and the gateway's /metrics"
         ) from None

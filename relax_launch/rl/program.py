@@ -101,6 +101,7 @@ def rl_context(
         score=teacher_then_rewards if job.teacher is not None else score_rewards,
         collect=collect_until_signal if job.algorithm.dynamic_sampling else collect_once,
         correction=job.rollout_correction(),
+        rollout_wait_s=job.rollout_wait_s(),
         evaluation=evaluation,
         exports=policy_exports(job),
     )

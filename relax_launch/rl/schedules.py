@@ -25,7 +25,6 @@ from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.context import RLContext, StepResult
 from relax_launch.rl.interfaces import StepAbandoned
 from relax_launch.rl.phases import (
-    ROLLOUT_WAIT_S,
     RolloutBatch,
     drop_stale,
     step_record,
@@ -83,7 +82,7 @@ class OffPolicy:
         try:
             if self.upcoming is not None:  # the engines must be idle before they take weights
                 with timed(seconds, "wait"), stop.abandonable():
-                    wait_for_rollout(self.upcoming, step + 1)
+                    wait_for_rollout(self.upcoming, step + 1, ctx.rollout_wait_s)
             stop.check()
         except StepAbandoned:  # trained: the step counts, its checkpoint comes next
             return StepResult(step_record(ctx, step, batch, metrics, stale), batch.cursor, seconds)
@@ -127,7 +126,7 @@ class FullyAsync:
     ) -> tuple[list[Sample], object]:
         """The step's groups, as the producer finished them (its draw of ``collect``)."""
         with timed(seconds, "rollout"):
-            samples = self.rollout.take(ctx.data.prompts_per_step, ROLLOUT_WAIT_S)
+            samples = self.rollout.take(ctx.data.prompts_per_step, ctx.rollout_wait_s)
             return samples, ctx.feed.position()
 
     def async_metrics(self, step: int, samples: list[Sample]) -> dict[str, float]:

@@ -13,17 +13,22 @@ Rank 0's side (``RolloutMembership``): meanwhile the controller routes around th
 (``inference/inprocess.py``); before each weight sync it reads the counts, and when engines left
 or came back the trainer forms new broadcast groups with the engines that serve
 (``runtime/session.py``). A restarted engine receives the current weights in that sync and is
-routed again only once it commits.
+routed again only once it commits. So does an engine the controller (or a sync) found gone
+though its server never restarted (it stopped answering, ``inference/health.py``): before each
+sync it is probed once more, and when it answers it takes part in that sync.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from relax_launch.inference.engine import EngineRequestError, get_json
+from relax_launch.inference.health import HealthProbe
 
 MAX_RESTARTS = 3  # per engine and job: a server that keeps dying has a cause restarts won't fix
+PROBE_S = HealthProbe().timeout_s  # a lost engine's probe before a sync: SGLang's own bound
 
 
 def engine_key(event: str, role: str, index: int) -> str:
@@ -76,8 +81,12 @@ class RolloutMembership:
     engines the controller found dead (``InferenceManager.lost``) and those a scale-out or
     scale-in added or removed (``max_engines``). Engines are named by their plan index."""
 
-    def __init__(self, store: Any, manager: Any) -> None:
+    def __init__(
+        self, store: Any, manager: Any, alive: Callable[[str], bool] | None = None
+    ) -> None:
         self.store, self.manager = store, manager
+        # whether a lost engine at this URL answers again (one probe, SGLang's own bound)
+        self.alive = alive or (lambda url: engine_alive(url, PROBE_S))
         self.synced: tuple[int, ...] | None = None  # the engines of the current broadcast groups
         self.up: dict[int, int] = {}  # restarts taken back, per engine
         self.restarts = 0
@@ -85,7 +94,8 @@ class RolloutMembership:
     def before_sync(self) -> tuple[int, ...] | None:
         """The engines (indices) the next sync goes to when they differ from the last one's,
         else None. A restarting engine leaves routing; a restarted or scaled-out one comes into
-        it (it is not routable before the sync commits)."""
+        it (it is not routable before the sync commits), and so does a lost engine that never
+        restarted once it answers ``/health`` again."""
         came_back = False
         for engine in self.manager.engines:
             index = engine.index
@@ -95,6 +105,9 @@ class RolloutMembership:
             elif up > self.up.get(index, 0):  # even one never seen lost: it left its group
                 self.restarts += up - self.up.get(index, 0)
                 self.up[index], came_back = up, True
+                self.manager.engine_back(engine.engine_id)
+            elif engine.engine_id in self.manager.lost and self.alive(engine.url):
+                came_back = True  # it stopped answering for a while, not for good
                 self.manager.engine_back(engine.engine_id)
         for engine_id in list(self.manager.joining):  # scaled out: in this sync's groups
             self.manager.admit(engine_id)

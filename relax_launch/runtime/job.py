@@ -115,6 +115,7 @@ def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | N
         gateway=job.gateway,
         admin_token=os.environ.get(job.gateway.admin_token_env) or None,
         log_dir=job.log_dir,
+        request_timeout_s=job.request_timeout_s(),  # auto: sized by the step's batch
     )
 
 

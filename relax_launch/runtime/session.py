@@ -91,7 +91,7 @@ class Session:
             managers=plane.managers,
             call=self._call,
             startup_timeout_s=self.startup_timeout_s,
-            drain_timeout_s=plane.config.request_timeout_s,  # no request runs longer
+            drain_timeout_s=plane.request_timeout_s,  # no request runs longer
             sync_lock=self.weights.lock,
             log_dir=plane.log_dir,
         )

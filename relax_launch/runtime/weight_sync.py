@@ -27,7 +27,12 @@ from relax_launch.deadline import Deadline
 from relax_launch.inference.engine import EngineControl, EngineRequestError
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.policy_adapter import adapter_name
-from relax_launch.placement.plan import PlacementPlan, sync_rank_offsets
+from relax_launch.placement.plan import (
+    EnginePlan,
+    PlacementPlan,
+    shared_tp_size,
+    sync_rank_offsets,
+)
 from relax_launch.runtime.control import Command, RemoteError
 from relax_launch.runtime.engine_restart import RolloutMembership, engine_alive
 from relax_launch.runtime.workers import ConnectWeights, ExportAdapter, SendWeights
@@ -92,9 +97,7 @@ class WeightSync:
         urls = self._urls()
         rollout = self.plan.engines_of("rollout")
         members = tuple(e.index for e in rollout if not e.reserved) if members is None else members
-        # An engine of one TP rank (each of its pipeline stages whole layers) holds q/k/v and
-        # gate/up fused: send them so, received in place.
-        fused = all(e.tp_size == 1 for e in rollout)
+        engine_tp_size = self._engine_tp_size([rollout[index] for index in members])
         offsets, world_size = sync_rank_offsets(rollout[index] for index in members)
         self.sync_targets = [
             EngineTarget(
@@ -113,7 +116,7 @@ class WeightSync:
                 ep_rank=group.ep_rank,
                 targets=tuple(self.sync_targets),
                 world_size=world_size,
-                fused=fused,
+                engine_tp_size=engine_tp_size,
                 colocated=self.plan.mode in ("split", "defer"),
                 seconds_left=self.timeout_s,
                 generation=self._sync_groups,
@@ -125,6 +128,22 @@ class WeightSync:
             self.membership = RolloutMembership(self.store, manager)
         if self.membership is not None:
             self.membership.synced = members
+
+    def _engine_tp_size(self, engines: list[EnginePlan]) -> int:
+        """How the trainer sends to ``engines``: in the engines' fused layout, each TP rank its
+        own slice received in place, where they share a TP size (returned); as whole
+        checkpoint tensors that every rank's ``load_weights`` cuts (0) where their TP sizes
+        differ, or where colocated buckets, which every rank reads whole, reach engines of
+        several TP ranks."""
+        tp_size = shared_tp_size(engines)
+        if tp_size is None:
+            sizes = sorted({e.tp_size for e in engines})
+            operator_log().warning(
+                f"relax-launch: rollout engines of TP sizes {sizes} take the weights as whole "
+                "tensors, each rank through load_weights (in place needs one TP size)"
+            )
+        colocated = self.plan.mode in ("split", "defer")
+        return 0 if tp_size is None or (colocated and tp_size > 1) else tp_size
 
     def _urls(self) -> dict[int, str]:
         """Each rollout engine's URL by plan index: the planned ones', and the scaled-out

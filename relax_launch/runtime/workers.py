@@ -27,6 +27,7 @@ from relax_launch.trainer.batch import ShardShape
 from relax_launch.trainer.config import LoraConfig
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.weights.colocated import BucketSender
+from relax_launch.weights.engine_shards import EngineShards
 from relax_launch.weights.sync import TensorSpec, WeightSender
 from relax_launch.weights.update_session import EngineTarget
 
@@ -101,7 +102,7 @@ class ConnectWeights(Command):
     pp_rank: int
     targets: tuple[EngineTarget, ...]
     world_size: int
-    fused: bool
+    engine_tp_size: int  # the engines' shared TP size; 0: they differ (whole tensors)
     colocated: bool
     seconds_left: float
     generation: int = 1  # the job's n-th group of this stage: a re-formed group gets a new name
@@ -196,11 +197,17 @@ class TrainerWorker:
             self.shards.send_result(rows, shape)
 
     def connect(self, command: ConnectWeights) -> None:
-        """Form this stage's broadcast group with every rollout engine worker. ``fused``: the
-        engines hold q/k/v and gate/up fused (one engine TP rank), so they are sent that way.
+        """Form this stage's broadcast group with every rollout engine worker. With
+        ``engine_tp_size`` the tensors go in the engines' fused layout (q/k/v, gate/up, the
+        experts' stacks), each engine TP rank its own slice (``weights/engine_shards.py``).
         ``colocated``: the engines share this rank's host and device (split, defer): the
         weights go by ``torch.multiprocessing`` handles instead (``weights/colocated.py``)."""
-        self.fused = command.fused
+        self.fused = command.engine_tp_size > 0
+        shards = None
+        if self.fused and not command.colocated:  # buckets carry whole tensors
+            shape = self.trainer.shape
+            pads = platform.engine_pads_for_tp(self.device)
+            shards = EngineShards(command.engine_tp_size, shape.num_heads, shape.num_kv_heads, pads)
         manifest = self.trainer.export_manifest(self.fused, changed_only=True)
         self.manifest = [TensorSpec(*spec) for spec in manifest]
         if self.sender is not None:  # engines died or came back: the old group goes
@@ -212,8 +219,10 @@ class TrainerWorker:
             f"{command.generation}",
             host=self.host,
             port=free_port(self.host),
-            backend=platform.dist_backend(self.device),
+            backend=platform.weight_sync_backend(self.device),
+            shards=shards,
         )
+        self.sender.bucketing = platform.sync_bucketing(self.device)
         self.sender.connect(command.seconds_left)
 
     def send(self, command: SendWeights) -> dict[str, Any] | None:

@@ -38,8 +38,9 @@ import torch
 
 from relax_launch import platform
 from relax_launch.deadline import Deadline
-from relax_launch.weights.receiver import IN_PLACE, RECEIVER_REPORT
+from relax_launch.weights.receiver import RECEIVER_REPORT
 from relax_launch.weights.sync import TensorSpec, WeightSender, check_receivers
+from relax_launch.weights.update_plan import IN_PLACE
 from relax_launch.weights.update_session import (
     EngineTarget,
     WeightSyncError,

@@ -6,7 +6,9 @@ SGLang's own update path assumes one pipeline stage in two places:
 - Every worker joins the update group at ``rank_offset + tp_rank``, so the stages of one engine
   take the same rank. Here a worker joins at ``rank_offset + pp_rank * tp_size + tp_rank``, the
   order of SGLang's own pipeline ranks, in a group of ``1 + tp_size * pp_size`` per engine (the
-  planner's ``sync_rank_offsets``).
+  planner's ``sync_rank_offsets``). Engines whose TP ranks each receive their own slice join
+  one group per TP index instead (``broadcast_group.BY_TP_RANK``): TP rank k of every stage of
+  every engine with the sender, at ``rank_offset + pp_rank``.
 - A control request reaches the first stage, which runs it before relaying its batch of
   requests to the next stage: the first stage then waits in the group's rendezvous (or its
   broadcasts) for stages that have not received the request yet. A batch holding a weight-sync
@@ -25,6 +27,25 @@ log = logging.getLogger(__name__)
 UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 RELAYED = "_relax_relayed"  # a batch this stage relayed ahead of running it
+
+
+# A group name ending so asks each engine TP rank k to join the group of TP index k
+# (``tp_group_name``) instead: the sender broadcasts there rank k's slice of every weight.
+BY_TP_RANK = "@by-tp-rank"
+
+
+def tp_group_name(group_name: str, tp_rank: int) -> str:
+    """The broadcast group of a sender and every engine's TP rank ``tp_rank`` (all its pipeline
+    stages), for a ``group_name`` ending in ``BY_TP_RANK``."""
+    return f"{group_name}/tp{tp_rank}"
+
+
+def tp_groups(group_name: str, tp_size: int) -> list[str]:
+    """The groups a sender forms with engines of ``tp_size`` ranks: the one named, or past one
+    rank, one per TP index."""
+    if tp_size == 1:
+        return [group_name]
+    return [tp_group_name(group_name, rank) for rank in range(tp_size)]
 
 
 def register() -> None:
@@ -52,12 +73,24 @@ def join_at_stage_rank(
     backend: str,
 ) -> Any:
     """SGLang's ``init_weights_update_group``, with this stage's workers after the earlier
-    stages' in the group."""
+    stages' in the group. A group named ``BY_TP_RANK`` is one group per TP index instead: this
+    worker joins its TP rank's (``tp_group_name``), one worker per stage of each engine, kept
+    under the name the sender's requests use."""
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    offset = rank_offset + parallel.pp_rank * parallel.tp_size
-    return original(updater, master_address, master_port, offset, world_size, group_name, backend)
+    if not group_name.endswith(BY_TP_RANK):
+        offset = rank_offset + parallel.pp_rank * parallel.tp_size
+        return original(
+            updater, master_address, master_port, offset, world_size, group_name, backend
+        )
+    own = tp_group_name(group_name, parallel.tp_rank)
+    offset = rank_offset + parallel.pp_rank - parallel.tp_rank  # SGLang adds tp_rank back
+    joined = original(updater, master_address, master_port, offset, world_size, own, backend)
+    groups = updater._model_update_group
+    if own in groups:
+        groups[group_name] = groups.pop(own)
+    return joined
 
 
 def relay_sync_requests_first(original: Any, scheduler: Any, requests: list) -> Any:

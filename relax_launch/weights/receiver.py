@@ -3,17 +3,19 @@
 SGLang's own receive allocates a fresh tensor per name for every sync and then copies every
 byte again in ``model.load_weights``. This module is an SGLang plugin (entry point
 ``RECEIVER_PLUGIN`` of group ``sglang.srt.plugins`` in ``setup.py``; SGLang loads it in each of
-its processes) that adds one ``load_format``, ``IN_PLACE``, to two update routes:
+its processes) that adds one ``load_format``, ``IN_PLACE`` (a broadcast's carries the sender's
+bucketing after it: ``in_place_format``), to two update routes:
 
 - ``update_weights_from_distributed`` (a broadcast from the trainer): a tensor whose name, shape
-  and dtype are those of a parameter of this engine rank (the sender uses the engine's fused
-  layout when the engine has one TP rank), or of one slice of it (``NAME[i]``: a routed
-  expert of a MoE layer's stacked ``w13_weight``/``w2_weight``), is broadcast into the
-  parameter itself: no allocation, no second copy. Any other tensor (dtype conversion, an
-  engine TP shard, a layout SGLang must reshape or pad) is received into a staging buffer kept
-  for the next sync and handed to ``load_weights`` under its checkpoint names
-  (``checkpoint_names``). Tensors under ``PACK_BELOW`` bytes travel together in one broadcast
-  per dtype (``broadcast_plan``) and are copied out of it.
+  and dtype are those of a parameter of this engine rank (the sender sends each TP rank its own
+  slice of the engine's fused layout, ``engine_shards.py``), or of one slice of it
+  (``NAME[i]``: a routed expert of a MoE layer's stacked ``w13_weight``/``w2_weight``), is
+  broadcast into the parameter itself: no allocation, no second copy. Any other tensor (dtype
+  conversion, a layout SGLang must reshape or pad) is received into the update's one bounded
+  staging buffer (``staging.py``, freed after the update) and handed to ``load_weights`` under
+  its checkpoint names (``checkpoint_names``). Small tensors travel in buckets per dtype
+  (``broadcast_plan``, sized by ``platform.sync_bucketing``), received into at most two
+  buffers at a time and copied out of them (``staging.Receives``).
 - ``update_weights_from_tensor`` (trainer and engine on one host, ``split``/``defer``): the
   request names one bucket of the export, a CUDA tensor shared by IPC or a CPU file in
   ``/dev/shm`` (``colocated.py``); each tensor is copied out of the bucket into its parameter,
@@ -23,8 +25,9 @@ Senders first ask each engine whether this plugin is loaded (``RECEIVER_PROBE``,
 only it answers): without it an engine would misread the packed broadcasts and the buckets,
 and crash. Every update answered this way carries a report (``RECEIVER_REPORT`` then JSON, in
 the reply's message): tensors received straight into their parameter (``in_place``), copied into
-it from a shared buffer (``copied``: the pack of small ones, a colocated bucket) or staged for
-``load_weights`` (``staged``, with their bytes), the staging buffers this update allocated, and
+it from a shared buffer (``copied``: a bucket of small ones, a colocated bucket) or staged for
+``load_weights`` (``staged``, with their bytes), the most bytes its receive buffers held at once
+(``peak_staging_bytes``: buckets and staging), the staging buffers this update allocated, and
 the parameters that no longer sit where they sat at the first update (``moved``, always 0:
 nothing here replaces a parameter's storage). The sender reads it: at every sync, the proof that
 the weights went into the parameters.
@@ -36,19 +39,27 @@ engines that are not relax-launch's.
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
 from relax_launch import platform
 from relax_launch.inference import policy_adapter
 from relax_launch.weights import pipeline_stages
+from relax_launch.weights.collective_wait import wait_for
+from relax_launch.weights.staging import ALIGN as STAGING_ALIGN
+from relax_launch.weights.staging import NAME as STAGING
+from relax_launch.weights.staging import Receives, Staging, for_load_weights, largest_bucket
+from relax_launch.weights.update_plan import (
+    IN_PLACE,
+    Broadcast,
+    broadcast_plan,
+    bucketing,
+    nbytes,
+    stacked_slice,
+)
 
-IN_PLACE = "relax_in_place"
 RECEIVER_REPORT = "relax-launch receiver: "  # then the report, as JSON, in the reply's message
-PACK_BELOW = 1 << 16  # bytes: smaller tensors share one broadcast
 ABORT_KEY = "relax_launch/abort"  # set in a broadcast group's store when its sender gives up
-WATCH_S = 1.0  # how often a waiting receive looks for it
 RECEIVER_PROBE = "relax_launch.receiver"  # a weight name only this plugin answers
 COMPONENTS = "sglang.srt.model_executor.model_runner_components"
 UPDATER = f"{COMPONENTS}.weight_updater.WeightUpdater"
@@ -69,6 +80,7 @@ def register() -> None:
     policy_adapter.register()  # engines that serve a LoRA policy as an adapter only
     platform.moe_engine_without_accelerator()
     platform.prefill_without_accelerator()
+    platform.weight_sync_backend("cpu")  # registers the CPU's sync backend: a sender may name it
 
 
 def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -82,77 +94,109 @@ def answer_probe(original: Any, exporter: Any, name: str, *args: Any, **kwargs: 
 
 def receive(original: Any, updater: Any, **request: Any) -> list:
     """Receive one update request's tensors; returns those ``load_weights`` must still apply."""
-    if request.get("load_format") != IN_PLACE:
+    buckets = bucketing(request.get("load_format"))
+    if buckets is None:
         return original(updater, **request)
-    import torch
-
-    group = updater._model_update_group[request["group_name"]]
     state = _receiver_state(updater)
     report = state.begin()
     names, dtypes, shapes = request["names"], request["dtypes"], request["shapes"]
-    alone, packed = broadcast_plan(dtypes, shapes)
-    staged, pending, packs = [], [], []
-    elsewhere = 0
-    for i in alone:
-        dtype = getattr(torch, dtypes[i])
-        destination = state.direct(names[i], dtype, shapes[i])
-        if destination is None and state.elsewhere(names[i]):
-            destination, elsewhere = state.discard(dtype, shapes[i], updater.device), elsewhere + 1
-        elif destination is None:
-            destination = state.staging(names[i], dtype, shapes[i], updater.device)
-            staged.append((names[i], destination))
-        pending.append(destination)
-    for dtype_name, indices in packed.items():
-        numel = sum(_numel(shapes[i]) for i in indices)
-        dtype = getattr(torch, dtype_name)
-        pack = state.staging(f"packed {dtype_name}", dtype, [numel], updater.device)
-        pending.append(pack)
-        packs.append((pack, indices))
-    # Every receive is posted before any is waited on: the sender never waits for this process
-    # to get round to the next tensor.
-    works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in pending]
-    for work in works:
-        wait_unless_aborted(work, group)
-    copied = 0
-    for pack, indices in packs:
-        offset = 0
-        for i in indices:
-            piece = pack[offset : offset + _numel(shapes[i])].view(shapes[i])
-            offset += piece.numel()
-            destination = state.direct(names[i], pack.dtype, shapes[i])
-            if destination is None and state.elsewhere(names[i]):
-                elsewhere += 1
-            elif destination is None:
-                staged.append((names[i], piece))
-            else:
-                destination.copy_(piece)
-                copied += 1
-    report.count(len(names) - elsewhere, staged, copied)
+    group = updater._model_update_group[request["group_name"]]
+    plan = state.plan(names, dtypes, shapes, buckets)
+    largest = largest_bucket(plan, dtypes, shapes)
+    receives = Receives(state, group, names, shapes, largest, updater.device)
+    receives.wait = wait_unless_aborted
+    capacity = _staging_needed(state, plan, names, dtypes, shapes)
+    staging = Staging.of_update(state, min(buckets[1], capacity), updater)
+    wholes: dict[int, Any] = {}  # a tensor received in parts: where it goes (None: dropped)
+    for item in plan:
+        if not item.bucket:
+            receives.post(item, _destination(state, staging, receives, item, wholes))
+        elif (in_place := _stacked_destination(state, item, names, shapes)) is not None:
+            receives.post(item, in_place)  # consecutive experts, straight into their slices
+        else:
+            receives.post(item, *receives.bucket_buffer(item))
+    receives.complete_all()
+    staged, elsewhere = receives.staged + staging.pending, receives.elsewhere
+    report.count(len(names) - elsewhere - staging.num_loaded, staged, receives.copied)
+    report.add_staging(staging, receives.buffer_bytes())
     report.fields["other_stage"] += elsewhere
     return for_load_weights(staged)
 
 
-def wait_unless_aborted(work: Any, group: Any) -> None:
-    """Wait for one broadcast, until the sender gives up the sync (it sets ``ABORT_KEY`` in the
-    group's store, or is gone with it): then raise, so this engine is free again."""
-    from datetime import timedelta
+def _destination(
+    state: _ReceiverState, staging: Staging, receives: Receives, item: Broadcast, wholes: dict
+) -> Any:
+    """Where a tensor sent alone (or one part of it, ``item.rows``) is received: its parameter;
+    the staging buffer, whole, for ``load_weights``; or room for this broadcast alone, never
+    read, for another pipeline stage's."""
+    import torch
 
+    (i,) = item.indices
+    name, shape, dtype = receives.names[i], receives.shapes[i], getattr(torch, item.dtype)
+    if item.rows is None or item.rows[0] == 0:  # the tensor's first broadcast
+        target = state.direct(name, dtype, shape)
+        if target is None and state.elsewhere(name):
+            receives.elsewhere += 1
+        elif target is None:
+            target = staging.take(name, dtype, shape, receives.complete_all, keep=True)
+        wholes[i] = target
+    target = wholes.pop(i) if item.rows is None or item.rows[1] == shape[0] else wholes[i]
+    if target is None:
+        part = shape if item.rows is None else [item.rows[1] - item.rows[0], *shape[1:]]
+        return staging.take(name, dtype, part, receives.complete_all, keep=False)
+    return target if item.rows is None else target[item.rows[0] : item.rows[1]]
+
+
+def _stacked_destination(
+    state: _ReceiverState, item: Broadcast, names: list[str], shapes: list[list[int]]
+) -> Any:
+    """A bucket of consecutive slices of one stacked parameter: those slices of it, where they
+    fit exactly (else None: the bucket is received into a buffer and copied out)."""
+    import torch
+
+    if item.stacked is None or any(shapes[i] != shapes[item.indices[0]] for i in item.indices):
+        return None
+    first, last = (stacked_slice(names[i])[1] for i in (item.indices[0], item.indices[-1]))
+    shape = [len(item.indices), *shapes[item.indices[0]]]
+    return state.direct(f"{item.stacked}[{first}:{last + 1}]", getattr(torch, item.dtype), shape)
+
+
+def _staging_needed(
+    state: _ReceiverState,
+    plan: list[Broadcast],
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+) -> int:
+    """Bytes of the tensors sent alone that fit no parameter here (with their alignment)."""
+    import torch
+
+    alone = {i for item in plan if not item.bucket for i in item.indices}
+    return sum(
+        nbytes(dtypes[i], shapes[i]) + STAGING_ALIGN
+        for i in alone
+        if state.direct(names[i], getattr(torch, dtypes[i]), shapes[i]) is None
+    )
+
+
+def wait_unless_aborted(work: Any, group: Any) -> None:
+    """Wait for one broadcast (``collective_wait``: polled, never ``wait(timeout)``, which
+    aborts an NCCL group) until the sender gives up the sync (it sets ``ABORT_KEY`` in the
+    group's store, or is gone with it): then raise, so this engine is free again. No deadline
+    of its own: the group's timeout (the sync's) ends a receive whose sender is stuck."""
     from relax_launch.weights.broadcast_group import group_store
 
     store = group_store(group)
-    while True:
-        try:
-            work.wait(timedelta(seconds=WATCH_S))
-            return
-        except RuntimeError:
-            if work.is_completed():  # it failed, rather than timed out
-                raise
+
+    def sender_still_sending() -> None:
         try:
             aborted = store.check([ABORT_KEY])
         except Exception as exc:  # noqa: BLE001 - the store went with the sender
             raise RuntimeError(f"the weight sender is gone: {exc}") from exc
         if aborted:
             raise RuntimeError("the weight sender gave up this sync")
+
+    wait_for(work, None, "a weight broadcast", sender_still_sending)
 
 
 def reported(original: Any, updater: Any, named_tensors: list) -> tuple[bool, str]:
@@ -193,55 +237,6 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
     return True, state.finish("Success")
 
 
-def for_load_weights(staged: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Staged tensors as ``load_weights`` reads them (``checkpoint_names``)."""
-    return [pair for name, tensor in staged for pair in checkpoint_names(name, tensor)]
-
-
-def checkpoint_names(name: str, tensor: Any) -> list[tuple[str, Any]]:
-    """A tensor sent in the engine's fused layout that did not fit the parameter (the CPU
-    engine pads some sizes, e.g. a shared expert's), as the checkpoint tensors ``load_weights``
-    reads, which pads and shards them itself: a routed expert's slice ``experts.w13_weight[e]``
-    as expert e's gate and up projections, ``w2_weight[e]`` as its down projection, a
-    ``gate_up_proj`` as gate and up. Any other name as it is."""
-    stem, _, index = name.partition("[")
-    if stem.endswith("experts.w13_weight") and index:
-        prefix = f"{stem.removesuffix('w13_weight')}{index[:-1]}."
-        gate, up = tensor.chunk(2)
-        return [(prefix + "gate_proj.weight", gate), (prefix + "up_proj.weight", up)]
-    if stem.endswith("experts.w2_weight") and index:
-        return [(f"{stem.removesuffix('w2_weight')}{index[:-1]}.down_proj.weight", tensor)]
-    if name.endswith("gate_up_proj.weight"):
-        gate, up = tensor.chunk(2)
-        stem = name.removesuffix("gate_up_proj.weight")
-        return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
-    return [(name, tensor)]
-
-
-def broadcast_plan(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[int], dict]:
-    """The order of one update's broadcasts, the same on sender and engine: the manifest's
-    tensors of ``PACK_BELOW`` bytes or more one by one, in order, then the smaller ones (norms,
-    biases) concatenated into one broadcast per dtype, so each costs no collective of its own."""
-    alone, packed = [], {}
-    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
-        if nbytes(dtype, shape) >= PACK_BELOW:
-            alone.append(i)
-        else:
-            packed.setdefault(dtype, []).append(i)
-    return alone, dict(sorted(packed.items()))
-
-
-def _numel(shape: list[int]) -> int:
-    return math.prod(shape)
-
-
-def nbytes(dtype: str, shape: list[int]) -> int:
-    """Bytes of a tensor of ``dtype`` (torch's name, e.g. "bfloat16") and ``shape``."""
-    import torch
-
-    return getattr(torch, dtype).itemsize * _numel(shape)
-
-
 class _Report:
     """What one update did on this engine rank."""
 
@@ -249,15 +244,24 @@ class _Report:
         self.state, self.allocated_before = state, state.allocated
         self.fields = {"in_place": 0, "copied": 0, "staged": 0, "staged_bytes": 0}
         self.fields["other_stage"] = 0  # received and dropped: another pipeline stage's
+        self.fields["peak_staging_bytes"] = 0  # receive buffers held at once (bucket, staging)
 
     def count(self, tensors: int, staged: list, copied: int) -> None:
-        """``tensors`` of an update: ``copied`` of them from a shared buffer (a pack of small
+        """``tensors`` of an update: ``copied`` of them from a shared buffer (a bucket of small
         ones, a colocated bucket) into their parameter, ``staged`` ones to ``load_weights``,
         the rest received straight into their parameter."""
         self.fields["in_place"] += tensors - len(staged) - copied
         self.fields["copied"] += copied
         self.fields["staged"] += len(staged)
         self.fields["staged_bytes"] += sum(t.numel() * t.element_size() for _, t in staged)
+
+    def add_staging(self, staging: Staging, bucket_buffer_bytes: int) -> None:
+        """What went through ``staging``'s buffer to ``load_weights`` while the update went
+        on, and the most the update's buffers (it and the buckets') held at once."""
+        self.fields["staged"] += staging.num_loaded
+        self.fields["staged_bytes"] += staging.loaded_bytes
+        peak = staging.peak_bytes + bucket_buffer_bytes
+        self.fields["peak_staging_bytes"] = max(self.fields["peak_staging_bytes"], peak)
 
     def render(self) -> str:
         fields = self.fields | {
@@ -281,13 +285,24 @@ class _ReceiverState:
         self.files: dict[str, Any] = {}  # colocated buckets' shared files, mapped once
         self.allocated = 0  # staging buffers made so far
         self.report: _Report | None = None
+        self.planned: tuple = (None, [])  # the last update's key and broadcast plan
+
+    def plan(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], buckets: tuple
+    ) -> list[Broadcast]:
+        """``broadcast_plan`` of an update (the last one's kept: every sync sends the same)."""
+        key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)), tuple(buckets))
+        if self.planned[0] != key:
+            self.planned = (key, broadcast_plan(names, dtypes, shapes, *buckets))
+        return self.planned[1]
 
     def begin(self) -> _Report:
         self.report = _Report(self)
         return self.report
 
     def finish(self, message: str) -> str:
-        """``message`` with this update's report appended (once)."""
+        """``message`` with this update's report appended (once); the update's staging freed."""
+        self.buffers.pop(STAGING, None)
         report, self.report = self.report, None
         return message if report is None else f"{message}; {report.render()}"
 
@@ -309,18 +324,25 @@ class _ReceiverState:
         )
 
     def direct(self, name: str, dtype: Any, shape: list[int]) -> Any:
-        """The storage tensor ``name`` lands in: a parameter, or ``NAME[i]`` the i-th slice of
-        one (a routed expert of a layer's stacked experts); None when none fits exactly."""
+        """The storage tensor ``name`` lands in: a parameter, ``NAME[i]`` the i-th slice of one
+        (a routed expert of a layer's stacked experts) or ``NAME[a:b]`` slices a to b-1; None
+        when none fits exactly."""
         stacked, _, index = name.partition("[")
         param = self.params.get(stacked)
+        if param is None and self.ties_head and stacked == "model.embed_tokens.weight":
+            param = self.params.get("lm_head.weight")  # a last stage's head is the embedding
         if param is None or not param.data.is_contiguous():
             return None
         data = param.data
-        if index:
-            slot = int(index[:-1]) if index.endswith("]") and index[:-1].isdigit() else -1
-            if not 0 <= slot < (data.shape[0] if data.dim() else 0):
+        if index:  # NAME[i], or NAME[a:b] (consecutive slices)
+            first, colon, end = index.removesuffix("]").partition(":")
+            if not (first.isdigit() and (end.isdigit() or not colon) and index.endswith("]")):
                 return None
-            data = data[slot]
+            begin = int(first)
+            stop = int(end) if colon else begin + 1
+            if not 0 <= begin < stop <= (data.shape[0] if data.dim() else 0):
+                return None
+            data = data[begin:stop] if colon else data[begin]
         if data.dtype != dtype or list(data.shape) != list(shape):
             return None
         return data
@@ -342,15 +364,6 @@ class _ReceiverState:
             return False  # the last stage's head is loaded from the tied embedding
         module = self.modules.get(stem.rpartition(".")[0])
         return type(module).__name__ == "PPMissingLayer"
-
-    def discard(self, dtype: Any, shape: list[int], device: Any) -> Any:
-        """Where another stage's tensor is received: one scratch buffer per dtype, grown to
-        the largest such tensor (its contents are never read)."""
-        numel = _numel(shape)
-        key = f"other stages' {dtype}"
-        if key not in self.buffers or self.buffers[key].numel() < numel:
-            self.staging(key, dtype, [numel], device)
-        return self.buffers[key][:numel].view(shape)
 
     def staging(self, name: str, dtype: Any, shape: list[int], device: Any) -> Any:
         import torch

@@ -149,10 +149,11 @@ def test_trainer_coordinates_are_tp_fastest_then_dp_then_pp():
         (1, 1, 1),
     ]
     # One weight-sync group per pipeline stage, sourced from that stage's tp0/dp0 rank, with
-    # SGLang rank offsets per rollout engine after the source (rank 0 of the group).
+    # SGLang rank offsets per rollout engine after the source (rank 0 of the group). Engines of
+    # one TP size (2) take one group per TP index: one worker of each engine in each.
     groups = p.weight_sync_groups
     assert [(g.pp_rank, g.source_rank) for g in groups] == [(0, 0), (1, 4)]
-    assert groups[0].engine_rank_offsets == ((0, 1), (1, 3)) and groups[0].world_size == 5
+    assert groups[0].engine_rank_offsets == ((0, 1), (1, 2)) and groups[0].world_size == 3
 
 
 def test_plan_round_trips_through_json_and_hashes_stably():
@@ -286,8 +287,11 @@ def test_the_prefill_decode_example_plans_pairs_and_pipeline_engines(tmp_path):
     )
     assert "rollout engine 2 (prefill): ranks 12-13 (head 12) tp=2 pp=1 node(s) 1" in shown
     assert "teacher engine 0: ranks 14-15 (head 14) tp=1 pp=2 node(s) 1" in shown
-    # every rollout worker of both halves takes the weights: 2 x 2 decode + 2 prefill
-    assert "weight sync pp0: source rank 0 -> 6 rollout worker(s) in 3 engine(s)" in shown
+    # every rollout engine of both halves takes the weights, TP rank k its slice in group k
+    assert (
+        "weight sync pp0: source rank 0 -> 3 rollout worker(s) in each of 2 groups by engine TP "
+        "rank in 3 engine(s)" in shown
+    )
 
 
 def test_max_engines_reserves_ranks_after_the_planned_engines_outside_weight_sync():

@@ -33,6 +33,7 @@ from harness.processes import TEST_TAG, processes_tagged, seconds_until_gone
 from test_rl_job import run_tiny
 
 from relax_launch.models.build import ensure_model
+from relax_launch.platform.nccl_semantics import SLOW_BROADCAST_ENV
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parents[2]
@@ -67,6 +68,8 @@ class PdJob:
             "RELAX_TEST_REWARD_LOG": str(run_dir.parent / "rewards.jsonl"),
             "RELAX_TEST_SLOW_FROM": "4",
             "RELAX_TEST_SLOW_S": "300",
+            # each broadcast of a sync 1.1 s, as GPU-sized ones take: waits outlast a second
+            SLOW_BROADCAST_ENV: "1.1",
         }
         args = [f"logging.dir={run_dir}", "algorithm.num_steps=4", SLOW_REWARD]
         self.process = subprocess.Popen(

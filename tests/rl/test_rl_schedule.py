@@ -5,6 +5,7 @@ stop abandons and what it lets finish."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import signal
@@ -161,6 +162,25 @@ def test_a_failing_background_rollout_stops_the_run_with_its_error(tmp_path):
         run_schedule(ctx, off_policy=True, steps=5)
     # step 1 trained, the rollout of step 3 failed: no sync after the failure
     assert [n for n, _ in ctx.job.events if n.startswith("sync")] == ["sync-1"]
+
+
+def test_the_background_rollout_is_waited_for_as_long_as_the_job_derived(tmp_path):
+    """The wait is the context's rollout_wait_s (3 x gateway.request_timeout_s, sized by the
+    batch: tests/config/test_derived_bounds.py), not a constant: scaled down here, a rollout
+    that outlasts it fails naming the field, and one within it completes."""
+
+    def slow_second(ctx, seconds):
+        if ctx.job.rollouts == 1:  # the background rollout of step 2
+            time.sleep(2 * PHASE_S)
+        return fake_collect(ctx, seconds)
+
+    short = dataclasses.replace(
+        context(tmp_path / "short", slow_second), rollout_wait_s=PHASE_S / 5
+    )
+    with pytest.raises(TimeoutError, match=r"did not finish .* \(3 x gateway.request_timeout_s"):
+        run_schedule(short, off_policy=True, steps=2)
+    enough = dataclasses.replace(context(tmp_path / "enough", slow_second), rollout_wait_s=60)
+    assert len(run_schedule(enough, off_policy=True, steps=2)) == 2
 
 
 # ---- stopping: what a stop abandons, and what it lets finish ------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.health import HealthProbe
 from relax_launch.inference.inprocess import ControllerMetrics, EngineClient, EngineUnreachable
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.routing import RouteResolver
@@ -74,7 +75,7 @@ def rollout(engines: int) -> InferenceManager:
 
 def membership(engines: int = 3) -> tuple[RolloutMembership, DictStore, InferenceManager]:
     store, manager = DictStore(), rollout(engines)
-    members = RolloutMembership(store, manager)
+    members = RolloutMembership(store, manager, alive=lambda url: False)  # lost ones stay down
     members.synced = tuple(range(engines))  # as the first connect leaves it
     return members, store, manager
 
@@ -198,10 +199,12 @@ def test_the_engine_taken_out_is_the_one_that_dropped_the_request_not_a_url_pref
             EngineHandle("m/1", "http://127.0.0.1:43357", "rollout", False),
         ]
     )
+    probe = HealthProbe(timeout_s=1, attempts=2, window_s=0.1)  # 503 twice: gone
     client = EngineClient(
-        manager, resolver=RouteResolver(), timeout_s=5, metrics=ControllerMetrics()
+        manager, resolver=RouteResolver(), timeout_s=5, metrics=ControllerMetrics(), probe=probe
     )
     client.session = HealthSession()
     dropped = EngineUnreachable("http://127.0.0.1:43357/generate", "Server disconnected")
     assert asyncio.run(client._engine_died(dropped)) is True
-    assert serving(manager) == ["m/0"] and manager.lost == {"m/1": "Server disconnected"}
+    assert serving(manager) == ["m/0"] and list(manager.lost) == ["m/1"]
+    assert manager.lost["m/1"].startswith("Server disconnected; 2 probes")

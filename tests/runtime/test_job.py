@@ -18,6 +18,7 @@ from relax_launch.commands.launcher import explain_failure, torchrun_command
 from relax_launch.config import load_config
 from relax_launch.inference.process import free_port
 from relax_launch.placement import plan
+from relax_launch.platform.nccl_semantics import SLOW_BROADCAST_ENV
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -180,6 +181,8 @@ def test_an_engine_dying_mid_sync_never_lets_a_half_updated_engine_serve(tmp_pat
         "PYTHONPATH": os.pathsep.join([str(FAULT_PLUGIN), os.environ.get("PYTHONPATH", "")]),
         "RELAX_TEST_FAULT_AT": "1",
         "RELAX_TEST_FAULT_DIR": str(tmp_path),
+        # each broadcast 0.25 s, as GPU-sized ones queue: the resend's waits outlast a second
+        SLOW_BROADCAST_ENV: "0.25",
     }
     overrides = (
         f"trainer.model={wide_model}",

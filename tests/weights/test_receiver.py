@@ -9,15 +9,18 @@ import torch
 import torch.distributed as dist
 
 from relax_launch.inference.process import free_port
+from relax_launch.platform import sync_bucketing
 from relax_launch.weights.broadcast_group import custom_group
-from relax_launch.weights.receiver import IN_PLACE, checkpoint_names, receive, reported
 from relax_launch.weights.receiver import _receiver_state as receiver_state
+from relax_launch.weights.receiver import receive, reported
+from relax_launch.weights.staging import checkpoint_names
+from relax_launch.weights.update_plan import in_place_format
 
 
 class Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.qkv_proj = torch.nn.Linear(128, 192, bias=False)  # 96 KiB: travels alone
+        self.qkv_proj = torch.nn.Linear(512, 768, bias=False)  # 1.5 MiB: travels alone
         self.norm = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
 
 
@@ -32,11 +35,14 @@ class Updater:
         return self.model
 
 
-def request(names, dtypes, shapes, load_format=IN_PLACE):
+BROADCAST_FORMAT = in_place_format(*sync_bucketing("cpu"))
+
+
+def request(names, dtypes, shapes, load_format=BROADCAST_FORMAT):
     return dict(names=names, dtypes=dtypes, shapes=shapes, group_name="g", load_format=load_format)
 
 
-def test_matching_tensors_land_in_place_and_the_rest_are_staged_once():
+def test_matching_tensors_land_in_place_and_the_rest_are_staged_in_buffers_freed_after():
     group = custom_group("gloo", "127.0.0.1", free_port(), 1, 0, "receiver-test", 30)
     try:
         model = Model()
@@ -45,20 +51,24 @@ def test_matching_tensors_land_in_place_and_the_rest_are_staged_once():
         body = request(
             ["qkv_proj.weight", "norm", "q_proj.weight"],
             ["float32", "float32", "float32"],  # norm is bfloat16 in the model: staged
-            [[192, 128], [3], [2, 2]],  # q_proj is not a parameter: staged for load_weights
+            [[768, 512], [3], [512, 512]],  # q_proj is not a parameter: staged for load_weights
         )
         address = weight.data_ptr()
         staged = receive(None, updater, **body)
+        # norm from its bucket of small tensors (a copy), q_proj from the staging buffer
         assert [name for name, _ in staged] == ["norm", "q_proj.weight"]
         assert model.qkv_proj.weight is weight and weight.data_ptr() == address  # in place
         reply = reported(lambda updater, named: (True, "Succeeded."), updater, staged)
+        # the buffers are as large as this update needs: q_proj (1 MiB + alignment) to stage,
+        # one bucket of 12 bytes
+        peak = 512 * 512 * 4 + 64 + 12
         assert reply == (
             True,
             'Succeeded.; relax-launch receiver: {"in_place": 1, "copied": 0, '
-            '"staged": 2, "staged_bytes": 28, "other_stage": 0, "allocated": 1, "moved": 0}',
+            '"staged": 2, "staged_bytes": 1048588, "other_stage": 0, '
+            f'"peak_staging_bytes": {peak}, "allocated": 1, "moved": 0}}',
         )
-        again = receive(None, updater, **body)
-        assert [t.data_ptr() for _, t in staged] == [t.data_ptr() for _, t in again]  # reused
+        assert receiver_state(updater).buffers == {}  # freed after the update
     finally:
         dist.destroy_process_group(group)
 
@@ -76,7 +86,7 @@ class Stage(torch.nn.Module):
         self.model = torch.nn.Module()
         self.model.start_layer, self.model.end_layer = 1, 2
         self.model.embed_tokens = PPMissingLayer()
-        self.model.layers = torch.nn.ModuleList([PPMissingLayer(), torch.nn.Linear(128, 192)])
+        self.model.layers = torch.nn.ModuleList([PPMissingLayer(), torch.nn.Linear(512, 768)])
 
 
 def test_a_pipeline_stage_keeps_its_own_layers_and_drops_the_others():
@@ -88,11 +98,11 @@ def test_a_pipeline_stage_keeps_its_own_layers_and_drops_the_others():
             [
                 "model.embed_tokens.weight",  # the first stage's
                 "model.layers.0.mlp.weight",  # the first stage's layer
-                "model.layers.0.norm.weight",  # small: travels packed
+                "model.layers.0.norm.weight",  # small: travels in a bucket
                 "model.layers.1.weight",  # this stage's: in place
             ],
             ["float32"] * 4,
-            [[320, 128], [192, 128], [4], [192, 128]],
+            [[320, 1024], [768, 512], [4], [768, 512]],
         )
         assert receive(None, updater, **body) == []  # nothing for load_weights
         _, message = reported(lambda updater, named: (True, "Succeeded."), updater, [])
@@ -151,18 +161,51 @@ def test_colocated_buckets_align_every_tensor_and_hold_a_bounded_size():
     assert pack(manifest, 320) == [[(0, 0), (1, 64), (2, 256)], [(3, 0)], [(4, 0)]]
 
 
-def test_small_tensors_travel_packed_after_the_large_ones_one_broadcast_per_dtype():
-    from relax_launch.weights.receiver import broadcast_plan
+def test_small_tensors_travel_in_buckets_per_dtype_each_sent_once_full():
+    from relax_launch.weights.update_plan import Broadcast, broadcast_plan
 
-    dtypes = ["float32", "float32", "bfloat16", "float32", "bfloat16"]
-    shapes = [[256, 128], [64], [4], [128, 128], [32768]]  # 128 KiB, 256 B, 8 B, 64 KiB, 64 KiB
-    assert broadcast_plan(dtypes, shapes) == ([0, 3, 4], {"bfloat16": [2], "float32": [1]})
+    pack_below, bucket_bytes = 1 << 12, 1 << 16
+    small = pack_below // 4 - 1  # float32 elements just under the threshold
+    per_bucket = -(-(bucket_bytes - 32) // (small * 4))  # with the [8] before them: full
+    dtypes = ["float32", "bfloat16", "float32"] + ["float32"] * per_bucket + ["float32"]
+    shapes = [[pack_below // 4], [4], [8]] + [[small]] * per_bucket + [[pack_below]]
+    names = [f"t{i}" for i in range(len(shapes))]
+    plan = broadcast_plan(names, dtypes, shapes, pack_below, bucket_bytes)
+    last_small = 2 + per_bucket
+    assert plan == [
+        Broadcast((0,), "float32", bucket=False),  # 4 KiB: alone, where it comes
+        Broadcast(tuple(range(2, last_small + 1)), "float32", bucket=True),  # full: sent now
+        Broadcast((last_small + 1,), "float32", bucket=False),
+        Broadcast((1,), "bfloat16", bucket=True),  # the rest at the end, one per dtype
+    ]
+
+
+def test_consecutive_experts_travel_together_and_a_large_tensor_in_parts():
+    """A MoE layer's experts (w13 and w2 interleaved, as exported) go as one run per stacked
+    tensor, each sent once its layer is done; a tensor larger than a bucket goes in parts of
+    whole rows, so no receive buffer needs more than about a bucket."""
+    from relax_launch.weights.update_plan import Broadcast, broadcast_plan
+
+    names = [f"l0.{w}[{e}]" for e in (0, 2, 1) for w in ("w13", "w2")]
+    names += ["l1.w13[0]", "l1.w2[0]", "embed", "l2.w13[0]", "l2.w13[2]"]
+    shapes = [[256]] * 8 + [[16, 1024]] + [[256]] * 2  # experts of 1 KiB, embed of 64 KiB
+    plan = broadcast_plan(names, ["float32"] * len(names), shapes, 1 << 12, 1 << 14)
+    run = lambda indices, stem: Broadcast(indices, "float32", bucket=True, stacked=stem)  # noqa: E731
+    part = lambda rows: Broadcast((8,), "float32", bucket=False, rows=rows)  # noqa: E731
+    assert plan == [
+        run((0, 4, 2), "l0.w13"),  # layer 1's first expert: layer 0's runs go, in slot order
+        run((1, 5, 3), "l0.w2"),
+        *[part((row, row + 4)) for row in range(0, 16, 4)],  # 16 KiB each
+        run((6,), "l1.w13"),  # l1.w2 stays open: at most two runs
+        run((7,), "l1.w2"),
+        run((9, 10), None),  # slots 0 and 2 do not follow: copied out, not in place
+    ]
 
 
 class Experts(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.w13_weight = torch.nn.Parameter(torch.zeros(4, 128, 128))  # 64 KiB: alone
+        self.w13_weight = torch.nn.Parameter(torch.zeros(4, 512, 512))  # 1 MiB each: alone
 
 
 def test_an_expert_lands_in_its_own_slice_of_the_stacked_experts():
@@ -176,16 +219,46 @@ def test_an_expert_lands_in_its_own_slice_of_the_stacked_experts():
         address = stacked.data_ptr()
         updater = Updater(model, group)
         names = ["w13_weight[2]", "w13_weight[4]", "w13_weight[1]"]
-        body = request(names, ["float32"] * 3, [[128, 128], [128, 128], [32, 128]])
+        body = request(names, ["float32"] * 3, [[512, 512], [512, 512], [32, 128]])
         staged = receive(None, updater, **body)
-        assert [name for name, _ in staged] == ["w13_weight[4]", "w13_weight[1]"]
+        assert sorted(name for name, _ in staged) == ["w13_weight[1]", "w13_weight[4]"]
         assert stacked.data_ptr() == address
         reply = reported(lambda updater, named: (True, "ok"), updater, staged)
         assert '"in_place": 1' in reply[1] and '"moved": 0' in reply[1]
         state = receiver_state(updater)
-        assert state.direct("w13_weight[2]", torch.float32, [128, 128]).data_ptr() == (
-            address + 2 * 128 * 128 * 4
+        assert state.direct("w13_weight[2]", torch.float32, [512, 512]).data_ptr() == (
+            address + 2 * 512 * 512 * 4
         )
+        assert state.direct("w13_weight[1:3]", torch.float32, [2, 512, 512]).data_ptr() == (
+            address + 512 * 512 * 4
+        )
+        assert state.direct("w13_weight[3:5]", torch.float32, [2, 512, 512]) is None  # past
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_a_run_of_experts_lands_in_its_slices_and_parts_in_their_rows_or_are_dropped():
+    """Consecutive experts, one broadcast straight into their slices of the stacked weight; a
+    tensor larger than a bucket in parts, each into its rows; another pipeline stage's large
+    tensor dropped part by part through a buffer of one part, not of the whole tensor."""
+    group = custom_group("gloo", "127.0.0.1", free_port(), 1, 0, "receiver-runs", 30)
+    try:
+        model = Stage()
+        model.model.layers[1].experts = Experts()
+        updater = Updater(model, group)
+        prefix = "model.layers.1.experts.w13_weight"
+        names = [f"{prefix}[0]", f"{prefix}[1]", f"{prefix}[2]", "model.layers.1.weight"]
+        names.append("model.layers.0.mlp.weight")  # the other stage's, 2 MiB
+        shapes = [[512, 512]] * 3 + [[768, 512], [1024, 512]]
+        bucketing = (3 << 19, 3 << 19)  # experts (1 MiB) in runs; 1.5 MiB+ in parts
+        body = request(names, ["float32"] * 5, shapes, in_place_format(*bucketing))
+        assert receive(None, updater, **body) == []
+        _, message = reported(lambda updater, named: (True, "ok"), updater, [])
+        report = json.loads(message.partition("receiver: ")[2])
+        assert (report["in_place"], report["copied"], report["other_stage"]) == (4, 0, 1)
+        # no bucket buffer (the runs went in place); the dropped parts through one buffer of
+        # the bucket's size, not the tensor's 2 MiB
+        assert report["peak_staging_bytes"] == bucketing[1]
     finally:
         dist.destroy_process_group(group)
 

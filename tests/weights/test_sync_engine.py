@@ -15,12 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax_launch import platform
 from relax_launch.inference.engine import EngineRequestError, get_json, post
 from relax_launch.inference.process import free_port
 from relax_launch.inference.server import SGLangServer
+from relax_launch.platform.nccl_semantics import SLOW_BROADCAST_ENV
 from relax_launch.trainer.hf_conversion import fuse_for_engine
 from relax_launch.weights.colocated import BucketSender
-from relax_launch.weights.sync import ReceiverMissing, TensorSpec, WeightSender
+from relax_launch.weights.sync import ReceiverMissing, TensorSpec, WeightSender, dtype_name
+from relax_launch.weights.update_plan import broadcast_plan
 from relax_launch.weights.update_session import (
     EngineTarget,
     UpdateSession,
@@ -51,7 +54,7 @@ def connected(transport: type[WeightSender], url: str, group_name: str) -> Weigh
         group_name=group_name,
         host="127.0.0.1",
         port=free_port(),
-        backend="gloo",
+        backend=platform.weight_sync_backend("cpu"),
     )
     try:
         sender.connect(60)
@@ -158,6 +161,7 @@ def test_weights_land_in_the_engines_own_parameters(tiny_server, tiny_model, tra
     changed = {n: t * 1.25 for n, t in weights.items()}
     label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
     sender = connected(transport, tiny_server.url, f"in-place-{transport.__name__}")
+    sender.bucketing = (4096, 64 << 10)  # broadcast: the tiny model's matrices travel alone
     name = "model.layers.1.mlp.down_proj.weight"
     try:
         first, second = sync(sender, changed, 1).receivers[0], sync(sender, changed, 2).receivers[0]
@@ -169,10 +173,46 @@ def test_weights_land_in_the_engines_own_parameters(tiny_server, tiny_model, tra
     for report in (first, second):
         assert report["in_place"] + report["copied"] == len(weights), report
         assert report["staged"] == report["staged_bytes"] == report["moved"] == 0, report
-    assert second["allocated"] == 0  # the first sync made the only buffer (the small ones' pack)
+    assert second["allocated"] == 0  # no staging buffer at all: nothing is staged
     if transport is WeightSender:  # the large ones are broadcast straight into the parameters
-        assert second["in_place"] >= 1
+        assert second["in_place"] == sum(t.nbytes >= 4096 for t in weights.values()) > 0
     assert torch.equal(torch.tensor(held), changed[name][:4])  # bit for bit (its first rows)
+
+
+def test_a_sync_whose_broadcasts_outlast_every_poll_interval_completes(
+    tiny_server, tiny_model, monkeypatch
+):
+    """On the CPU's sync backend (gloo with NCCL's waits and aborts), every broadcast slowed to
+    take 1.2 s, as GPU-sized ones queue: the sender's and the engine's waits outlast them
+    without aborting the group (a wait of a second at a time, read as "not done yet", aborts
+    it under NCCL), and the engine then holds exactly the weights sent."""
+    weights = fuse_for_engine(load_file(str(tiny_model / "model.safetensors")))
+    changed = {n: t * 1.25 for n, t in weights.items()}
+    label = get_json(tiny_server.url, "/model_info", 30)["weight_version"]
+    monkeypatch.setenv(SLOW_BROADCAST_ENV, "1.2")
+    sender = connected(WeightSender, tiny_server.url, "slow-broadcasts")
+    sender.bucketing = (48 << 10, 1 << 20)  # a few broadcasts, queued one behind the other
+    monkeypatch.delenv(SLOW_BROADCAST_ENV)
+    plan = broadcast_plan(
+        list(changed),
+        [dtype_name(t.dtype) for t in changed.values()],
+        [list(t.shape) for t in changed.values()],
+        *sender.bucketing,
+    )
+    name = "model.layers.1.mlp.down_proj.weight"
+    try:
+        report = sync(sender, changed, 1)
+        held = post(tiny_server.url, "/get_weights_by_name", {"name": name, "truncate_size": 4}, 30)
+    finally:
+        sender.close()
+        restore = connected(WeightSender, tiny_server.url, "slow-broadcasts-restore")
+        sync(restore, weights, 0)
+        restore.close()
+        post(tiny_server.url, "/update_weight_version", {"new_version": label}, 30)
+    print(f"\n{len(plan)} broadcasts of 1.2 s each: sync {report.seconds:.1f} s")
+    assert len(plan) >= 3 and report.transfer_s >= 1.2 * (len(plan) - 1)
+    assert report.receivers[0]["moved"] == 0
+    assert torch.equal(torch.tensor(held), changed[name][:4])
 
 
 @pytest.mark.parametrize("transport", [WeightSender, BucketSender])
@@ -223,7 +263,7 @@ def test_an_engine_dying_mid_sync_fails_it_at_once_and_frees_the_others(
         group_name="mid-sync-death",
         host="127.0.0.1",
         port=free_port(),
-        backend="gloo",
+        backend=platform.weight_sync_backend("cpu"),
     )
 
     def export_that_loses_the_victim():
