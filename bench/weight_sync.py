@@ -175,7 +175,7 @@ def per_tensor(sender: WeightSender, weights: dict[str, torch.Tensor]) -> None:
         for t in sender.targets
     ]
     for tensor in weights.values():
-        dist.broadcast(tensor, group=sender.group, group_src=0)
+        dist.broadcast(tensor, group=sender.groups[0], group_src=0)  # TP-1 engines: one group
     for call in calls:
         result(call, TIMEOUT_S)
     for t in sender.targets:
