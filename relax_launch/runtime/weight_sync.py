@@ -34,7 +34,7 @@ from relax_launch.placement.plan import (
     sync_rank_offsets,
 )
 from relax_launch.runtime.control import Command, RemoteError
-from relax_launch.runtime.engine_restart import RolloutMembership, engine_alive
+from relax_launch.runtime.engine_restart import PROBE_S, RolloutMembership, engine_alive
 from relax_launch.runtime.workers import ConnectWeights, ExportAdapter, SendWeights
 from relax_launch.weights.adapter_sync import (
     load_everywhere,
@@ -52,9 +52,6 @@ from relax_launch.weights.update_session import (
 # A rank's own deadline error names what it waited for; the channel's reply timeout, a little
 # later, only that the rank did not answer.
 REPLY_MARGIN_S = 10.0
-# After a failed send, how long an engine may take to answer /health before it counts as dead
-# (a live one is freed from the broken broadcast within a second or two).
-REPAIR_HEALTH_S = 15.0
 # runs a command on ranks (rank 0's own share in process), within a timeout
 Call = Callable[[Command, list[int], float], dict[int, Any]]
 
@@ -216,12 +213,13 @@ class WeightSync:
         """The rollout engines the repairing send goes to: those of the failed sync, less the
         ones that died (fault tolerance); a dead engine without it ends the job here. An engine
         is dead when it does not answer ``/health``: a stopped process refuses at once, while a
-        live one freed from the failed broadcast answers within ``REPAIR_HEALTH_S``."""
+        live one answers within SGLang's own bound for ``/health`` (``PROBE_S``: it sleeps 1 s, then
+        waits up to 20 s for its scheduler, which a long prefill may hold)."""
         engines = [e.index for e in self.plan.engines_of("rollout") if not e.reserved]
         synced = self.membership.synced if self.membership is not None else None
         members = tuple(synced if synced is not None else engines)
         urls = self._urls()
-        dead = [i for i in members if not engine_alive(urls[i], REPAIR_HEALTH_S)]
+        dead = [i for i in members if not engine_alive(urls[i], PROBE_S)]
         if dead and self.membership is None:
             raise WeightSyncError(
                 f"weight sync to version {weight_version} failed: rollout engines {dead} died "

@@ -7,7 +7,7 @@ SGLang's own update path assumes one pipeline stage in two places:
   take the same rank. Here a worker joins at ``rank_offset + pp_rank * tp_size + tp_rank``, the
   order of SGLang's own pipeline ranks, in a group of ``1 + tp_size * pp_size`` per engine (the
   planner's ``sync_rank_offsets``). Engines whose TP ranks each receive their own slice join
-  one group per TP index instead (``broadcast_group.BY_TP_RANK``): TP rank k of every stage of
+  one group per TP index instead (``BY_TP_RANK``): TP rank k of every stage of
   every engine with the sender, at ``rank_offset + pp_rank``.
 - A control request reaches the first stage, which runs it before relaying its batch of
   requests to the next stage: the first stage then waits in the group's rendezvous (or its

@@ -103,8 +103,7 @@ def receive(original: Any, updater: Any, **request: Any) -> list:
     group = updater._model_update_group[request["group_name"]]
     plan = state.plan(names, dtypes, shapes, buckets)
     largest = largest_bucket(plan, dtypes, shapes)
-    receives = Receives(state, group, names, shapes, largest, updater.device)
-    receives.wait = wait_unless_aborted
+    receives = Receives(state, group, names, shapes, largest, updater.device, wait_unless_aborted)
     capacity = _staging_needed(state, plan, names, dtypes, shapes)
     staging = Staging.of_update(state, min(buckets[1], capacity), updater)
     wholes: dict[int, Any] = {}  # a tensor received in parts: where it goes (None: dropped)
@@ -281,6 +280,7 @@ class _ReceiverState:
         self.modules = dict(model.named_modules())
         self.ties_head = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", 0))
         self.addresses = {name: p.data.data_ptr() for name, p in self.params.items()}
+        self.device = next(iter(self.params.values())).device if self.params else None
         self.buffers: dict[str, Any] = {}
         self.files: dict[str, Any] = {}  # colocated buckets' shared files, mapped once
         self.allocated = 0  # staging buffers made so far
@@ -301,9 +301,14 @@ class _ReceiverState:
         return self.report
 
     def finish(self, message: str) -> str:
-        """``message`` with this update's report appended (once); the update's staging freed."""
-        self.buffers.pop(STAGING, None)
+        """``message`` with this update's report appended (once); the update's staging freed,
+        and on a GPU handed back (the caching allocator would keep it, memory the engine's
+        KV cache was sized without)."""
+        staging = self.buffers.pop(STAGING, None)
         report, self.report = self.report, None
+        buckets = report is not None and report.fields["peak_staging_bytes"] > 0
+        if (staging is not None or buckets) and self.device is not None:
+            platform.release_cached_memory(self.device)
         return message if report is None else f"{message}; {report.render()}"
 
     def mapping(self, path: str, size: int) -> Any:

@@ -43,14 +43,15 @@ class Receives:
         shapes: list[list[int]],
         bucket_bytes: int,
         device: Any,
+        wait: Callable[[Any, Any], None],
     ) -> None:
         self.state, self.group, self.names, self.shapes = state, group, names, shapes
+        self.wait = wait
         self.bucket_bytes, self.device = bucket_bytes, device  # each buffer: the largest bucket
         self.posted: deque = deque()  # (work, Broadcast, destination, its bucket buffer)
         self.free: list[Any] = [None] * BUCKETS_POSTED  # made when a bucket first needs one
         self.staged: list[tuple[str, Any]] = []
         self.copied = self.elsewhere = 0
-        self.wait: Callable[[Any, Any], None] = lambda work, group: work.wait()
 
     def bucket_buffer(self, item: Broadcast) -> tuple[Any, Any]:
         """Where bucket ``item`` is received, once a buffer is free: the part of that buffer
