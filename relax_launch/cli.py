@@ -15,7 +15,8 @@ import click
 from relax_launch import __version__, platform
 from relax_launch.config import ConfigError, JobConfig, load_config
 from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
-from relax_launch.placement.render import summary, table, write_picture
+from relax_launch.placement.memory_plan import memory_plan
+from relax_launch.placement.render import memory_table, summary, table, write_picture
 
 
 def _load_and_plan(
@@ -75,12 +76,17 @@ def plan_command(
     Exits 2 with the reason on stderr when the config or its placement is rejected.
     """
     try:
-        _, placement, warnings = _load_and_plan(config_path, overrides, nnodes, nproc_per_node)
+        job, placement, warnings = _load_and_plan(config_path, overrides, nnodes, nproc_per_node)
         if picture:
             click.echo(f"picture: {write_picture(placement, picture)}", err=True)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
-    click.echo(placement.to_json() if as_json else table(placement))
+    memory = memory_plan(job, placement)
+    if as_json:
+        data = json.loads(placement.to_json())
+        click.echo(json.dumps(data | {"memory": memory and json.loads(memory.to_json())}))
+    else:
+        click.echo(table(placement) + (f"\n{memory_table(memory)}" if memory else ""))
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
 
@@ -132,6 +138,14 @@ def _announce(job: JobConfig, placement: PlacementPlan, notes: list[str]) -> Non
         click.echo(
             f"LoRA: rank {lora.rank}, scale {lora.scale:g}, on {', '.join(lora.target_modules)};"
             f" the rollout engines hold {held}"
+        )
+    memory = memory_plan(job, placement)
+    if memory is not None:
+        fullest = max(memory.devices, key=lambda d: d.total)
+        click.echo(
+            f"memory: fullest device rank {fullest.rank}, {fullest.total / 1e9:.1f} of "
+            f"{memory.capacity / 1e9:.1f} GB in phase '{fullest.phase}' (every device: "
+            f"relax-launch plan; {job.log_dir}/memory_plan.json)"
         )
     for note in notes:
         click.echo(f"note: {note}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import sys
 
+from relax_launch import platform
 from relax_launch.config import ConfigError, load_config
 from relax_launch.placement import check_runnable, plan, preflight
+from relax_launch.placement.memory_plan import check_device, memory_plan
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +27,12 @@ def main(argv: list[str]) -> int:
         placement = plan(job, world_size=int(os.environ.get("WORLD_SIZE", world)))
         preflight(job, placement, require_models=True)
         check_runnable(job, placement)
+        memory = memory_plan(job, placement)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        check_device(job, placement, platform.device_memory_bytes(job.cluster.device, local), rank)
+        if rank == 0 and memory is not None:  # the run's record of what it planned
+            job.log_dir.mkdir(parents=True, exist_ok=True)
+            (job.log_dir / "memory_plan.json").write_text(memory.to_json())
         prompts = []  # read and checked once, by rank 0: the controller trains on them
         if rank == 0:
             from relax_launch.rl.inputs import check_inputs

@@ -103,6 +103,14 @@ def math_data(prompts_per_step: int, max_response_tokens: int) -> DataConfig:
     )
 
 
+def qwen3_8b_trainer(**fields: Any) -> TrainerConfig:
+    """Qwen3-8B on a node's 8 GPUs (TP 4 x DP 2), 4 sequences of up to 5120 tokens a
+    micro-batch: the distributed optimizer and full recomputation keep a GPU at 40 GB."""
+    base = {"model": QWEN3_8B, "ranks": 8, "tp_size": 4, "micro_batch_size": 4}
+    sharded = {"distributed_optimizer": True, "recompute": "full"}
+    return TrainerConfig(**base | sharded | fields)
+
+
 def qwen3_math(name: str, nnodes: int, mode: str, **sections: Any) -> JobConfig:
     """Qwen3-8B trained on math prompts over ``nnodes`` nodes of 8 GPUs in placement ``mode``:
     GRPO with 8 samples a prompt and a distillation term, rewarded by the answer and a judge.

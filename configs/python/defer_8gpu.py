@@ -9,7 +9,9 @@ config = qwen3_math(
     "defer-8gpu",
     nnodes=1,
     mode="defer",
-    trainer=TrainerConfig(model=QWEN3_8B, tp_size=4, micro_batch_size=4),
+    trainer=TrainerConfig(
+        model=QWEN3_8B, tp_size=4, micro_batch_size=2, distributed_optimizer=True
+    ),
     rollout=RolloutConfig(ranks=8, tp_size=2),
     teacher=TeacherConfig(model=QWEN3_32B, ranks=8, tp_size=4),
     genrm=GenRMConfig(model=QWEN3_8B, ranks=4, tp_size=4),

@@ -1,15 +1,15 @@
 """4 x 8 GPUs with a two-node teacher engine (configs/multinode_teacher_4x8.yaml) in Python:
 the teacher is one engine of TP 8 x PP 2 over nodes 2-3."""
 
-from base import QWEN3_8B, math_data, qwen3_math, rewards
+from base import math_data, qwen3_8b_trainer, qwen3_math, rewards
 
-from relax_launch.config import AlgorithmConfig, RolloutConfig, TeacherConfig, TrainerConfig
+from relax_launch.config import AlgorithmConfig, RolloutConfig, TeacherConfig
 
 config = qwen3_math(
     "multinode-teacher",
     nnodes=4,
     mode="decoupled",
-    trainer=TrainerConfig(model=QWEN3_8B, ranks=8, tp_size=4, micro_batch_size=4),
+    trainer=qwen3_8b_trainer(),
     rollout=RolloutConfig(ranks=8, tp_size=2),
     teacher=TeacherConfig(model="/models/Qwen3-235B-A22B", ranks=16, tp_size=8, pp_size=2),
     algorithm=AlgorithmConfig(

@@ -9,7 +9,9 @@ config = qwen3_math(
     "split-8gpu",
     nnodes=1,
     mode="split",
-    trainer=TrainerConfig(model=QWEN3_8B, tp_size=2, micro_batch_size=2),
+    trainer=TrainerConfig(
+        model=QWEN3_8B, tp_size=2, micro_batch_size=1, distributed_optimizer=True
+    ),
     rollout=RolloutConfig(ranks=4, tp_size=2),
     genrm=GenRMConfig(model=QWEN3_8B, ranks=2, tp_size=2),
     teacher=TeacherConfig(model=QWEN3_32B, ranks=2, tp_size=2),

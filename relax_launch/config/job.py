@@ -103,6 +103,14 @@ class JobConfig(Section):
         return "token_tis" if other_weights or self.precision_differs else "none"
 
     @property
+    def starts_staggered(self) -> bool:
+        """Whether roles that share devices start one at a time (placement.staggered_start)."""
+        chosen = self.placement.staggered_start
+        if self.placement.mode == "decoupled":
+            return False
+        return self.cluster.device == "cuda" if chosen == "auto" else chosen
+
+    @property
     def rollout_overlaps_training(self) -> bool:
         """Whether the engines generate while the trainer trains (off-policy, async)."""
         return self.algorithm.off_policy_steps > 0 or self.algorithm.max_staleness > 0

@@ -14,7 +14,7 @@ def cross_section_problems(job: JobConfig) -> list[str]:
     problems += _batch_problems(job) + _fault_tolerance_problems(job)
     problems += _algorithm_problems(job) + _lora_problems(job)
     problems += _disaggregation_problems(job) + _micro_batch_problems(job)
-    return problems + _elastic_problems(job)
+    return problems + _elastic_problems(job) + _optimizer_offload_problems(job)
 
 
 def _elastic_problems(job: JobConfig) -> list[str]:
@@ -76,11 +76,12 @@ def _colocation_problems(job: JobConfig) -> list[str]:
             ]
         if job.trainer.ranks < 1:
             return [f"trainer.ranks must be at least 1 (got {job.trainer.ranks})."]
-        if "operation_timeout_s" in job.placement.model_fields_set:
-            return [
-                "placement.operation_timeout_s bounds the offloads and onloads between the phases "
-                "of split/defer; placement.mode=decoupled has none: remove it."
-            ]
+        for field in ("operation_timeout_s", "staggered_start"):
+            if field in job.placement.model_fields_set:
+                return [
+                    f"placement.{field} is about the phases of split/defer, where roles share "
+                    "devices; placement.mode=decoupled has none: remove it."
+                ]
         return []
     problems = []
     for name, role in job.inference_roles().items():
@@ -160,6 +161,17 @@ def _micro_batch_problems(job: JobConfig) -> list[str]:
             f"trainer.max_tokens_per_micro_batch={budget} is below the longest sequence a step "
             f"can hold (data.max_prompt_tokens + data.max_response_tokens = {longest}): raise "
             "it, or shorten the data limits."
+        ]
+    return []
+
+
+def _optimizer_offload_problems(job: JobConfig) -> list[str]:
+    """Refused, not ignored, where it cannot act: on the CPU the optimizer is in host memory
+    already, and Megatron's offloaded optimizer steps only parameters it copied off a GPU."""
+    if job.trainer.optimizer_offload and job.cluster.device == "cpu":
+        return [
+            "trainer.optimizer_offload moves the optimizer's state from GPU to host memory; with "
+            "cluster.device=cpu it is there already: set trainer.optimizer_offload=false."
         ]
     return []
 

@@ -16,7 +16,7 @@ from typing import Any
 from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig
 from relax_launch.inference.disaggregation import EngineHalf, PrefillTarget, check_pair
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
-from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle
 from relax_launch.inference.gateway import InferenceGateway, Renderer
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.inference.manager import InferenceManager
@@ -35,6 +35,7 @@ class RoleSpec:
     model_dir: Path
     section: InferenceRoleConfig
     phase: str
+    parked: bool = False  # its engines start with every memory tag released
 
 
 def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> InferenceManager:
@@ -171,9 +172,15 @@ class ControlPlane:
         and, for a decode engine, the index of its prefill engine; each pair generates a token
         before the role is attached."""
         manager = self.managers[role]
+        loaded = set() if self.specs[role].parked else set(MEMORY_TAGS)
         handles = [
             EngineHandle(
-                f"{manager.model_id}/{i}", url, role=role, static=role != "rollout", index=i
+                f"{manager.model_id}/{i}",
+                url,
+                role=role,
+                static=role != "rollout",
+                index=i,
+                loaded=set(loaded),
             )
             for i, url in enumerate(urls)
         ]

@@ -21,6 +21,15 @@ class ClusterConfig(Section):
     device: Literal["cpu", "cuda"] = Field(
         "cuda", description="Device kind: 'cuda' (NCCL) or 'cpu' (gloo, SGLang CPU engine)."
     )
+    device_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one device in GB (10^9 bytes), against which relax-launch plan "
+        "totals each device's roles phase by phase and refuses a plan that does not fit. Unset: "
+        "on cuda the GPU's own (nvidia-smi where the plan runs, else an 80 GB H100's 85.5, and "
+        "said so), on cpu the host's memory divided by nproc_per_node. On GPUs every rank "
+        "checks the device it got against it before starting.",
+    )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="Timeout of every collective and control-channel wait, seconds."
     )
@@ -61,6 +70,14 @@ class PlacementConfig(Section):
             "roles on disjoint slices in one inference phase; 'defer': trainer on all ranks, "
             "rollout, teacher and genrm each from rank 0 in their own serialized phase."
         ),
+    )
+    staggered_start: bool | Literal["auto"] = Field(
+        "auto",
+        description="split/defer: start the roles that share devices one at a time: a role's "
+        "engines load, serve a first token and release their memory before the next role's "
+        "engines start, and the trainer builds once every engine has (SGLang sizes an engine's "
+        "KV cache from the memory free when it starts). 'auto': on cuda, where side-by-side "
+        "starts would not fit; off on cpu, where they do and start faster.",
     )
     operation_timeout_s: float = Field(
         180.0,

@@ -19,6 +19,7 @@ from relax_launch.models.registry import (
     builtin_name,
     model_facts,
 )
+from relax_launch.placement.memory_plan import check_memory, memory_plan, model_sizes
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
 
 if TYPE_CHECKING:
@@ -50,8 +51,19 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     if dataset_problem and require_models:
         raise ConfigError(dataset_problem, ("data.dataset",))
     warnings += [dataset_problem] if dataset_problem else []
-    notices = (job.precision_notice(), job.off_policy_notice())
+    notices = (job.precision_notice(), job.off_policy_notice(), _check_memory(job, plan))
     return warnings + [notice for notice in notices if notice]
+
+
+def _check_memory(job: JobConfig, plan: PlacementPlan) -> str | None:
+    """Refuse a plan whose devices cannot hold their phases; a note when a model's size is
+    unknown (``relax-launch plan`` away from the model files)."""
+    memory = memory_plan(job, plan)
+    if memory is None:
+        unknown = [role for role, size in model_sizes(job).items() if size is None]
+        return f"memory not planned: the size of {', '.join(unknown)}'s model is unknown"
+    check_memory(job, memory)
+    return None
 
 
 def models_of(job: JobConfig) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_launch.placement.memory_plan import GB, DevicePhase, Holder, MemoryPlan
 from relax_launch.placement.plan import PlacementPlan, RankPlan, RoleAssignment, shared_tp_size
 
 ROLE_COLOURS = {
@@ -194,3 +195,42 @@ def _png(width: int, height: int, boxes: list[_Box], path: Path) -> None:
             (b.x + b.w // 2, b.y + b.h // 2), b.text, fill=b.text_fill, anchor="mm", font=font
         )
     image.save(path)
+
+
+def memory_table(memory: MemoryPlan) -> str:
+    """Each device's phases: its total, what is left, and every role's terms in GB. Devices
+    whose phases hold the same are one row group (``ranks 0-3``)."""
+    groups: dict[tuple, list[DevicePhase]] = {}
+    for device in memory.devices:
+        key = (device.phase, tuple(_holder_text(h) for h in device.holders))
+        groups.setdefault(key, []).append(device)
+    by_ranks: dict[tuple[int, ...], list[tuple]] = {}
+    for key, devices in groups.items():
+        by_ranks.setdefault(tuple(d.rank for d in devices), []).append((key, devices[0]))
+    cap = memory.capacity / GB
+    lines = [f"memory per device: {cap:.1f} GB ({memory.capacity_source}); GB by phase:"]
+    for ranks, phases in sorted(by_ranks.items()):
+        lines.append(f"  ranks {_span(ranks)}")
+        for (phase, holders), device in phases:
+            free = max(cap - device.total / GB, 0.0)  # SGLang's default fills its device
+            lines.append(f"    {phase:<10} {device.total / GB:6.1f} (free {free:5.1f})  "
+                         + " | ".join(holders))  # fmt: skip
+    for engine in memory.engines:
+        f = "" if engine.fraction is None else f" mem_fraction_static {engine.fraction:.3f}"
+        source, tokens = engine.fraction_source, engine.kv_tokens
+        lines.append(f"  {engine.label}:{f} ({source}), KV {tokens} tokens")
+    return "\n".join([*lines, *(f"  note: {n}" for n in memory.notes)])
+
+
+def _holder_text(holder: Holder) -> str:
+    terms = ", ".join(
+        f"{t.name} {t.bytes / GB:.2f}{' (host)' if t.host else ''}" for t in holder.terms
+    )
+    role = holder.role.split(" engine")[0]
+    return f"{role} [{holder.state}]: {terms}"
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))

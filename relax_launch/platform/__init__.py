@@ -56,6 +56,15 @@ def torch_device(device: Device, local_rank: int = 0) -> str:
     return "cpu" if device == "cpu" else f"cuda:{local_rank}"
 
 
+def device_memory_bytes(device: Device, local_rank: int) -> float | None:
+    """Total memory of this rank's GPU; None on the CPU (its share of the host is planned)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    return float(torch.cuda.get_device_properties(local_rank).total_memory)
+
+
 def sglang_env(device: Device, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for an SGLang process (server or Engine) on ``device``."""
     env = dict(os.environ if base is None else base)

@@ -49,9 +49,20 @@ def redirect_megatron_to_cpu() -> CudaToCpu:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda *args, **kwargs: None
     _moe_without_cuda()
+    _checkpoint_without_cuda()
     mode = CudaToCpu()
     mode.__enter__()
     return mode
+
+
+def _checkpoint_without_cuda() -> None:
+    """Megatron's activation checkpoint saves and restores the CUDA generator's state around a
+    recomputation (with the CPU generator's, which is the one dropout draws from here): there is
+    none, so it is nothing (torch would refuse the read, and queue the write forever)."""
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 class _NoStream:

@@ -19,6 +19,7 @@ from relax_launch import platform
 from relax_launch.config.job import JobConfig
 from relax_launch.inference.process import free_port
 from relax_launch.models.build import ensure_model
+from relax_launch.placement.memory_plan import planned_fraction
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.runtime.network import node_address
 from relax_launch.runtime.startup import StartupClock
@@ -45,14 +46,16 @@ def launch_engines(
     job: JobConfig, plan: PlacementPlan, rank: int, clock: StartupClock
 ) -> list[EngineWorker]:
     """Start the servers of the engines this rank heads; they load while the rank joins the
-    process group and builds the trainer (``build_workers`` waits for them)."""
+    process group and builds the trainer (``build_workers`` waits for them). A staggered start
+    only makes them here (``runtime/staggered_start.py`` launches them)."""
     engines: list[EngineWorker] = []
     try:
         for engine, node_rank in node_processes(plan, rank):
             if node_rank == 0:
                 meet = _rendezvous(plan) if len(engine.nodes) > 1 else None
                 engines.append(engine_worker(job, plan, rank, engine, node_rank, meet))
-                if not engine.reserved:  # a reserved engine starts on a scale-out
+                # a reserved engine starts on a scale-out; staggered ones in their wave
+                if not engine.reserved and not job.starts_staggered:
                     engines[-1].launch()
                     clock.mark(f"{engine.role} engine {engine.index} launched")
     except BaseException:
@@ -112,6 +115,10 @@ def engine_worker(
         section = section.model_copy(update={"engine": flags})
     # its throughput on /v1/loads and /metrics (``inference/engine_load.py``, relax-launch top)
     section = section.model_copy(update={"engine": {"enable_metrics": True, **section.engine}})
+    fraction = planned_fraction(job, plan, engine)  # a colocated GPU engine's share, planned
+    if fraction is not None:
+        flags = {**section.engine, "mem_fraction_static": fraction}
+        section = section.model_copy(update={"engine": flags})
     return EngineWorker(
         engine=engine,
         section=section,

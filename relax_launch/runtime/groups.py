@@ -57,12 +57,10 @@ def build_trainer_groups(layout: TrainerLayout, backend: str) -> Any | None:
     for name, group in experts.items():
         setattr(pgc, name, group)
     pgc.intra_expt_dp = pgc.expt_dp  # no partial distributed optimizer
-    pgc.intra_dp_cp, pgc.inter_dist_opt, pgc.intra_dist_opt, pgc.hcp = (
-        groups["dp_cp"],
-        None,
-        None,
-        None,
-    )
+    pgc.intra_dp_cp, pgc.inter_dist_opt, pgc.hcp = groups["dp_cp"], None, None
+    # The distributed optimizer's one instance spans the trainer: it sums the gradient norm
+    # over it (None would mean the default world, inference ranks included, and hang).
+    pgc.intra_dist_opt = trainer_group
     pgc.trainer, pgc.shard_peers = trainer_group, shard_peers
     return pgc
 

@@ -42,6 +42,7 @@ from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.rank_output import route_rank_output
 from relax_launch.runtime.session import Session
+from relax_launch.runtime.staggered_start import start_in_waves
 from relax_launch.runtime.startup import StartupClock, StartupMarks
 from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
@@ -69,14 +70,18 @@ def build_workers(
     shards: ShardChannel,
     workers: list[Any],
     clock: StartupClock,
+    store: Any,
 ) -> None:
-    """Add this rank's trainer share, if it has one, to ``workers`` (its launched engines; the
-    caller closes them all), then wait for each engine's first token."""
+    """Add this rank's trainer share, if it has one, to ``workers`` (its engines; the caller
+    closes them all), then wait for each engine's first token. A staggered start brings the
+    engines up, role by role, and parks them before the trainer builds."""
     engines = list(workers)  # so far, only engines
+    if job.starts_staggered:
+        start_in_waves(job, plan, rank, store, engines, clock)
     if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
         workers.append(trainer_worker(job, plan, rank, pgc, shards))
         clock.mark("trainer built")
-    for engine in (e for e in engines if e.running):
+    for engine in (e for e in engines if e.running and not job.starts_staggered):
         engine.wait_ready(job.cluster.startup_timeout_s)
         clock.mark(f"{engine.engine.role} engine {engine.engine.index} ready")
 
@@ -107,7 +112,8 @@ def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | N
     for role, section in job.inference_roles().items():
         model = job.rollout_model() if role == "rollout" else section.model
         phase = plan.engines_of(role)[0].phase
-        specs.append(RoleSpec(role, model, ensure_model(model), section, phase))
+        parked = job.starts_staggered  # its engines come up released (staggered_start.py)
+        specs.append(RoleSpec(role, model, ensure_model(model), section, phase, parked))
     if not specs:
         return None
     return ControlPlane(
@@ -202,7 +208,12 @@ def report_failure(
 
 
 def build_rank(
-    job: JobConfig, plan: PlacementPlan, rank: int, workers: list[Any], clock: StartupClock
+    job: JobConfig,
+    plan: PlacementPlan,
+    rank: int,
+    workers: list[Any],
+    clock: StartupClock,
+    store: Any,
 ) -> tuple[dict[str, Any], ShardChannel]:
     """Trainer groups, Megatron's set-up and this rank's workers (into ``workers``); returns the
     handlers of every command this rank answers, and the shard channel."""
@@ -216,7 +227,7 @@ def build_rank(
         platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
         pgc.shard_peers if pgc is not None else None,
     )
-    build_workers(job, plan, rank, pgc, shards, workers, clock)
+    build_workers(job, plan, rank, pgc, shards, workers, clock, store)
     handlers = {k: v for w in workers for k, v in w.handlers().items()}
     handlers[StartupMarks.op] = lambda command: clock.marks
     return handlers, shards
@@ -327,7 +338,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
         clock.mark("process group")
         if rank == 0:
             control_plane = start_control_plane(job, plan)
-        handlers, shards = build_rank(job, plan, rank, workers, clock)
+        handlers, shards = build_rank(job, plan, rank, workers, clock, store)
         channel = ControlChannel(
             store, rank=rank, roles=role_labels(plan), timeout_s=job.cluster.collective_timeout_s
         )

@@ -128,6 +128,28 @@ class TrainerConfig(Section):
         "bfloat16", description="Parameter and compute dtype."
     )
     seed: int = Field(1234, description="Seed of initialisation and dropout.")
+    distributed_optimizer: bool = Field(
+        False,
+        description="Megatron-core's distributed optimizer: the fp32 master weights and Adam's "
+        "state are sharded over the data-parallel (x context-parallel) ranks, gradients "
+        "reduce-scattered and parameters all-gathered, so each rank holds 1/DP of them "
+        "(relax-launch plan shows the memory per device). Each DP rank checkpoints its own "
+        "shard: a checkpoint resumes only with the same setting and data-parallel size.",
+    )
+    optimizer_offload: bool = Field(
+        False,
+        description="Megatron-core's optimizer CPU offload: master weights and Adam's state live "
+        "in host memory and the optimizer step runs on the CPU, freeing their device memory at "
+        "the cost of a slower step. Needs distributed_optimizer, and cluster.device=cuda (on "
+        "the CPU they are in host memory already).",
+    )
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Activation recomputation (Megatron-core's): 'selective' recomputes each "
+        "layer's core attention in the backward pass instead of keeping its tensors, 'full' "
+        "keeps only each layer's input and recomputes the whole layer; less activation memory "
+        "for more compute.",
+    )
     lora: LoraConfig | None = Field(
         None,
         description="Train low-rank adapters instead of every weight; lora.engines says how the "
@@ -146,6 +168,16 @@ class TrainerConfig(Section):
             raise ValueError(
                 "trainer.cp_size > 1 with trainer.ep_size > 1 is not supported yet (the experts' "
                 "groups would span context-parallel ranks): use one of them."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _offload_inside_the_distributed_optimizer(self) -> TrainerConfig:
+        if self.optimizer_offload and not self.distributed_optimizer:
+            raise ValueError(
+                "trainer.optimizer_offload needs trainer.distributed_optimizer=true (Megatron's "
+                "offloaded optimizer runs inside its distributed optimizer): set "
+                "trainer.distributed_optimizer=true, or trainer.optimizer_offload=false."
             )
         return self
 

@@ -28,6 +28,9 @@ from relax_launch.trainer.hf_conversion import (
 from relax_launch.trainer.hf_dir import read_weights
 from relax_launch.trainer.lora import apply_lora, is_adapter
 from relax_launch.trainer.model_shape import ModelShape
+from relax_launch.trainer.optimizer_offload import offload_optimizer
+from relax_launch.trainer.recompute import inputs_need_grad, recompute_config
+from relax_launch.trainer.recompute import install as install_recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,6 +87,7 @@ def transformer_config(shape: ModelShape, section: TrainerConfig) -> Any:
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
         **(moe_config(shape, section) if shape.moe is not None else {}),
+        **recompute_config(section.recompute),
     )
     return config
 
@@ -133,13 +137,15 @@ def build_gpt(
     if section.lora is not None:  # before DDP, which buckets only the trainable parameters
         offset = stage_layers(shape, pgc.pp.rank(), pgc.pp.size()).start
         apply_lora(model, section.lora, pgc.tp, offset, section.seed)
+        if section.recompute == "full":  # the embedding is frozen (see inputs_need_grad)
+            inputs_need_grad(model)
     ddp = DistributedDataParallel(
         config=model.config,
         module=model,
         pg_collection=pgc,
         ddp_config=DistributedDataParallelConfig(
             overlap_grad_reduce=False,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=section.distributed_optimizer,
             # bf16 gradients summed over many ranks lose the small ones: reduce in fp32.
             grad_reduce_in_fp32=section.dtype == "bfloat16",
         ),
@@ -188,6 +194,8 @@ def build_gpt_module(
     if shape.rope_type != "default":
         model.rotary_pos_emb.inv_freq = scaled_rope_frequencies(model_dir)
     use_position_ids(model)
+    if config.recompute_granularity is not None:
+        install_recompute()  # recomputes in its forward's context (positions, routing)
     return model.to(device)  # built on the CPU (use_cpu_initialization)
 
 
@@ -295,9 +303,11 @@ def build_optimizer(model: Any, section: TrainerConfig, pgc: Any) -> Any:
         weight_decay=section.weight_decay,
         bf16=bf16,
         fp16=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=section.distributed_optimizer,
         clip_grad=section.clip_grad,
     )
+    if section.optimizer_offload:
+        offload_optimizer(config)
     with _world_is(pgc.trainer):
         return get_megatron_optimizer(
             config, [model], use_gloo_process_groups=False, pg_collection=pgc

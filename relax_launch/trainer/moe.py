@@ -19,6 +19,7 @@ trainer's own choice (``routing_mismatch``) and the experts it dispatched to
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from relax_launch.trainer.hf_conversion import stage_layers
 from relax_launch.trainer.model_shape import ModelShape
+from relax_launch.trainer.recompute import recomputing
 
 
 def routers(module: Any, shape: ModelShape, pp: Any) -> list[tuple[int, Any]]:
@@ -53,24 +55,37 @@ def sequence_first(routed: torch.Tensor, column: int, part: tuple[int, int] = (0
     return layer.transpose(0, 1).reshape(-1, layer.shape[-1])
 
 
+# The engine's routing of the micro-batch being computed, or None: a context variable, so that a
+# recomputation in the backward pass replays its own micro-batch's (``trainer/recompute.py``).
+_ROUTED: ContextVar[torch.Tensor | None] = ContextVar("routed_experts", default=None)
+
+
 class Replay:
-    """Dispatch each micro-batch's tokens to the engine's experts (see the module docstring)."""
+    """Dispatch each micro-batch's tokens to the engine's experts (see the module docstring):
+    before each forward of a router, its replay is set from the micro-batch's routing."""
 
     def __init__(self, layers: list[tuple[int, Any]], part: tuple[int, int]) -> None:
         self.layers, self.part = layers, part
+        for column, router in layers:
+            router.register_forward_pre_hook(self._before(column))
 
     def set(self, routed: torch.Tensor | None) -> None:
-        """Replay ``routed`` in the next forward; None: route as the router chooses."""
+        """Replay ``routed`` in the next forwards; None: route as the router chooses."""
+        _ROUTED.set(routed)
+
+    def _before(self, column: int) -> Any:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        for column, router in self.layers:
-            replay = router.router_replay
+        def hook(router: Any, args: tuple) -> None:
+            replay, routed = router.router_replay, _ROUTED.get()
             replay.clear_indices()
             if routed is None:
                 replay.clear_router_replay_action()
-                continue
+                return
             replay.set_target_indices(sequence_first(routed, column, self.part))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+        return hook
 
 
 class RoutingMonitor:
@@ -99,7 +114,7 @@ class RoutingMonitor:
 
     def _observe(self, column: int) -> Any:
         def hook(router: Any, inputs: tuple, output: tuple) -> None:
-            if self.batch is not None:
+            if self.batch is not None and not recomputing():  # counted in the forward
                 with torch.no_grad():
                     self._count(router, inputs[0], output[1], column)
 

@@ -3,12 +3,14 @@
 Three parts, disjoint by storage (a storage belongs to the first part that names it):
 
 - ``params``: the policy's parameters, and the frozen reference model's when the trainer has
-  one (both are weights a colocated engine's phase does not need);
+  one (both are weights a colocated engine's phase does not need); under the distributed
+  optimizer the trainable ones are views of DDP's contiguous param buffer, which moves whole;
 - ``grads``: Megatron DDP's contiguous grad buffers (every ``main_grad`` and fp32-optimizer
   ``.grad`` is a view into them), plus any other ``.grad`` tensor (the mixed-precision
   optimizer's fp32 main grads);
 - ``optimizer``: the optimizer's own state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``) and
-  the fp32 main parameters of the mixed-precision optimizer.
+  the fp32 main parameters of the mixed-precision optimizer (under the distributed optimizer,
+  this rank's shards of both; its fp32 shards of fp32 weights are views of the params).
 
 Offloading works on whole storages: the bytes are copied into a host buffer (pinned on CUDA, a
 separate copy on the CPU) and the storage is resized to 0, which frees it while every tensor on
@@ -16,7 +18,10 @@ it — Megatron's views, the optimizer's references, DDP's hooks — stays the s
 resizes the storage back and copies the bytes in, bit-exact. Grads are the exception: every
 train step zeroes them before its backward pass, so they are freed without a copy and come back
 as zeros (what Megatron's ``offload_grad_buffers``/``restore_grad_buffers`` do, for every grad).
-Module buffers (RoPE frequencies) and Megatron's attention scratch stay resident; they are small.
+Module buffers (RoPE frequencies), Megatron's attention scratch and the mixed-precision
+optimizer's one-element flags stay resident; they are small. Only storages on the device move:
+an offloaded optimizer's state (``trainer.optimizer_offload``) is in host memory already, so its
+part moves nothing.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from relax_launch import platform
-from relax_launch.trainer import micro_batches
+from relax_launch.trainer import micro_batches, sharded_optimizer
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.forward import forward_step
@@ -165,20 +165,21 @@ class Trainer:
 
     def save(self, directory: Path) -> str | None:
         """Write this shard's model and optimizer state (on the first data-parallel replica of
-        its experts, the other replicas holding the same state). Returns the file written, if
-        any."""
+        its experts, the other replicas holding the same state; under the distributed optimizer
+        every other DP rank writes its optimizer shard too). Returns the file written, if any."""
         self.offloader.require("save", ("params", "optimizer"))
-        if not self.hf.exports:
+        sharded = self.section.distributed_optimizer  # every DP rank saves its optimizer shard
+        if not (self.hf.exports or sharded):
             return None
-        path = directory / self.shard_name
-        model = self.model.module.state_dict()
-        if self.lora:  # the frozen base is the model directory's, unchanged
-            model = {k: v for k, v in model.items() if is_adapter(k)}
-        state = {
-            "model": model,
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-        }
+        state = sharded_optimizer.checkpoint(self.optimizer, self.pgc, sharded)
+        state["step"] = self.step
+        own = sharded_optimizer.dp_shard_name(self.pgc)
+        path = directory / (self.shard_name if self.hf.exports else own)
+        if self.hf.exports:
+            model = self.model.module.state_dict()
+            if self.lora:  # the frozen base is the model directory's, unchanged
+                model = {k: v for k, v in model.items() if is_adapter(k)}
+            state["model"] = model
         partial = path.with_name(path.name + ".partial")
         with open(partial, "wb") as file:  # on disk before rank 0 marks the checkpoint complete
             torch.save(state, file)
@@ -197,7 +198,11 @@ class Trainer:
                 f"{path} is missing: the checkpoint was saved with other trainer.tp_size, "
                 "pp_size or ep_size than this job's (resume with the sizes it was saved with)"
             )
+        sharded = self.section.distributed_optimizer
+        if sharded:  # the model on the host: the shard copies what it needs to the device
+            return self._load_sharded(directory, path)
         state = torch.load(path, map_location=self.torch_device, weights_only=False)
+        sharded_optimizer.check_resumable(state, False, self.pgc, path)
         self._load_model_state(state["model"], path)
         # the optimizer keeps the loaded tensors themselves, and torch.load's storages cannot be
         # resized, which is how offloading frees one (split/defer): it gets copies of its own
@@ -205,6 +210,20 @@ class Trainer:
             lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state["optimizer"]
         )
         self.optimizer.load_state_dict(optimizer_state)
+        self.step = int(state["step"])
+        return self.step
+
+    def _load_sharded(self, directory: Path, path: Path) -> int:
+        """``load`` under the distributed optimizer: the model from the shard file, this rank's
+        optimizer shard from its own file (the same one on the replica that wrote the model)."""
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        sharded_optimizer.check_resumable(state, True, self.pgc, path)
+        own = state
+        if not self.hf.exports:
+            own_path = directory / sharded_optimizer.dp_shard_name(self.pgc)
+            own = torch.load(own_path, map_location="cpu", mmap=True, weights_only=False)
+        self._load_model_state(state["model"], path)
+        sharded_optimizer.load(self.optimizer, own["optimizer"])
         self.step = int(state["step"])
         return self.step
 

@@ -237,18 +237,19 @@ def test_the_moe_example_plans_each_ep_rank_with_its_experts_and_sync_group(tmp_
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     config = load_config(
-        REPO / "configs" / "qwen3_30b_a3b_moe_3x8.yaml", [f"trainer.model={tmp_path}"]
+        REPO / "configs" / "qwen3_30b_a3b_moe_2x8.yaml", [f"trainer.model={tmp_path}"]
     )
     p = plan(config)
-    assert (p.trainer.ep_size, p.trainer.dp_size, p.trainer.num_experts) == (16, 16, 128)
+    assert (p.trainer.ep_size, p.trainer.dp_size, p.trainer.num_experts) == (4, 4, 128)
     warnings = preflight(config, p, require_models=False)
     assert not [w for w in warnings if "trainer.model" in w or "rollout.model" in w]
     text = summary(p)
-    assert "tp=1 pp=1 dp=16 ep=16" in text
-    assert "  ep0: experts 0-7 on rank 0" in text and "  ep15: experts 120-127 on rank 15" in text
+    assert "tp=2 pp=1 dp=4 ep=4" in text
+    assert "  ep0: experts 0-31 on ranks 0,1" in text
+    assert "  ep3: experts 96-127 on ranks 6,7" in text
     sources = [(g.ep_rank, g.source_rank) for g in p.weight_sync_groups]
-    assert sources == [(e, e) for e in range(16)]  # each EP rank sends its own experts
-    assert [a.ep_rank for r in p.ranks[:16] for a in r.assignments] == list(range(16))
+    assert sources == [(e, 2 * e) for e in range(4)]  # each EP rank sends its own experts
+    assert [a.ep_rank for r in p.ranks[:8] for a in r.assignments] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_the_prefill_decode_example_plans_pairs_and_pipeline_engines(tmp_path):

@@ -204,6 +204,10 @@ CASES = {
         ["placement.operation_timeout_s=30"],
         ["placement.operation_timeout_s", "decoupled has none: remove it"],
     ),
+    "a staggered start in decoupled mode": (
+        ["placement.staggered_start=true"],
+        ["placement.staggered_start", "decoupled has none: remove it"],
+    ),
     "colocated trainer.ranks set": (
         ["placement.mode=split"],
         ["remove trainer.ranks"],
@@ -368,6 +372,14 @@ CASES = {
     "an autoscaler beyond max_engines": (
         ["rollout.ranks=1", "rollout.max_engines=2", "rollout.autoscale.max_engines=3"],
         ["autoscale wants 1 to 3 engines, outside the 1 planned to max_engines=2"],
+    ),
+    "optimizer offload without the distributed optimizer": (
+        ["trainer.optimizer_offload=true"],
+        ["trainer.optimizer_offload needs trainer.distributed_optimizer=true"],
+    ),
+    "optimizer offload on the CPU": (
+        ["trainer.optimizer_offload=true", "trainer.distributed_optimizer=true"],
+        ["trainer.optimizer_offload", "cluster.device=cpu it is there already", "=false"],
     ),
     "bad device": (["cluster.device=tpu"], ["cluster.device", "'cpu' or 'cuda'"]),
     "bad job name": (["name=my job"], ["name", "pattern"]),

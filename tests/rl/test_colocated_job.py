@@ -59,6 +59,16 @@ def test_defer_job_takes_turns_and_trains(tmp_path):
     assert abs(steps[0]["reverse_kl"]) < 1e-3
     events = [json.loads(x) for x in (tmp_path / "coordinator.jsonl").read_text().splitlines()]
     assert_turns(events, batches=3)
+    started = startup_marks(tmp_path)[0]  # rank 0 heads all three engines: one role at a time
+    assert started.index("rollout engine 0 parked") < started.index("teacher engine 0 launched")
+    assert started.index("teacher engine 0 parked") < started.index("genrm engine 0 launched")
+    assert started.index("genrm engine 0 parked") < started.index("trainer built")
+
+
+def startup_marks(run_dir: Path) -> dict[int, list[str]]:
+    """Each rank's start-up phases, in order (startup.json)."""
+    report = json.loads((run_dir / "startup.json").read_text())
+    return {int(r): [p["phase"] for p in e["phases"]] for r, e in report["ranks"].items()}
 
 
 def assert_turns(events: list[dict], batches: int) -> None:
@@ -99,6 +109,13 @@ def test_split_job_runs_its_slices_together_then_trains(tmp_path):
     assert all(s["eval/prompts"] == 2 and s["time/eval"] > 0 for s in steps[1:])
     events = [json.loads(x) for x in (tmp_path / "coordinator.jsonl").read_text().splitlines()]
     assert sorted({e["batch"] for e in events} - {None}) == [0, 2, 3, 4, 5]  # 2k trains, 2k+1 evals
+    # staggered: every engine loaded and parked before any rank built its trainer share
+    report = json.loads((tmp_path / "startup.json").read_text())
+    ends = {
+        (int(r), p["phase"]): p["end_s"] for r, e in report["ranks"].items() for p in e["phases"]
+    }
+    parked = [ends[(0, "rollout engine 0 parked")], ends[(1, "teacher engine 0 parked")]]
+    assert max(parked) <= min(ends[(r, "trainer built")] for r in (0, 1)), ends
     for batch in (0, 2, 4):
         held = [e["holders"] for e in events if e["batch"] == batch]
         # rollout (rank 0) and teacher (rank 1) were loaded together, the trainer not with them
