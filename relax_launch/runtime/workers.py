@@ -165,7 +165,7 @@ class TrainerWorker:
     ) -> None:
         self.trainer, self.shards, self.device, self.host = trainer, shards, device, host
         self.sender: WeightSender | None = None
-        self.fused = False
+        self.fused = self.changed_only = False
         self.manifest: list[TensorSpec] = []
 
     def handlers(self) -> dict[str, Handler]:
@@ -203,12 +203,16 @@ class TrainerWorker:
         ``colocated``: the engines share this rank's host and device (split, defer): the
         weights go by ``torch.multiprocessing`` handles instead (``weights/colocated.py``)."""
         self.fused = command.engine_tp_size > 0
+        # A colocated engine's released weights come back as zeros (no backup): every sync
+        # brings the whole model back, a LoRA policy's frozen base too. Elsewhere the engines
+        # keep the base, and a LoRA sync sends the targeted weights alone, merged.
+        self.changed_only = not command.colocated
         shards = None
         if self.fused and not command.colocated:  # buckets carry whole tensors
             shape = self.trainer.shape
             pads = platform.engine_pads_for_tp(self.device)
             shards = EngineShards(command.engine_tp_size, shape.num_heads, shape.num_kv_heads, pads)
-        manifest = self.trainer.export_manifest(self.fused, changed_only=True)
+        manifest = self.trainer.export_manifest(self.fused, changed_only=self.changed_only)
         self.manifest = [TensorSpec(*spec) for spec in manifest]
         if self.sender is not None:  # engines died or came back: the old group goes
             self.sender.close()
@@ -226,10 +230,10 @@ class TrainerWorker:
         self.sender.connect(command.seconds_left)
 
     def send(self, command: SendWeights) -> dict[str, Any] | None:
-        """Export this stage's weights (all of the exporting replica gathers TP; a LoRA policy's
-        targeted weights only, merged; with EP, this EP rank's experts); the source streams them
-        into the update session the controller opened."""
-        named = self.trainer.export_hf_weights(self.fused, changed_only=True)
+        """Export this stage's weights (all of the exporting replica gathers TP; outside
+        colocation a LoRA policy's targeted weights only, merged; with EP, this EP rank's
+        experts); the source streams them into the update session the controller opened."""
+        named = self.trainer.export_hf_weights(self.fused, changed_only=self.changed_only)
         if self.sender is None:
             for _ in named:  # take part in the TP gathers
                 pass

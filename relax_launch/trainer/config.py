@@ -35,7 +35,8 @@ class LoraConfig(Section):
     engines: Literal["merged", "adapter"] = Field(
         "merged",
         description="How the rollout engines hold the policy. 'merged': the base weights with "
-        "the adapters merged in, each sync sending the targeted weights (W + scale·BA), in place. "
+        "the adapters merged in, each sync sending the targeted weights (W + scale·BA), in place "
+        "(in split/defer the whole model: a released engine's weights come back as zeros). "
         "'adapter': SGLang's LoRA serving, the base model plus each version's adapter loaded "
         "from the run directory (decoupled placement only).",
     )
