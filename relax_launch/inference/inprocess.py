@@ -44,7 +44,7 @@ log = logging.getLogger("relax_launch.inference")
 # request never meets a connection the engine is closing (a generation is never sent twice).
 KEEPALIVE_S = 4.0
 MAX_CONNECTIONS = 2048  # as many concurrent requests as the gateway's pool takes
-WAIT_MARGIN_S = 30.0  # run()'s default bound, beyond one request's deadline and one retry
+RUN_MARGIN_S = 30.0  # run()'s default bound, beyond one request's deadline and one retry
 BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -330,7 +330,7 @@ class EngineClients:
                 "the controller's engine clients are not running (not started, or closed), or "
                 "run() was called on their own event loop"
             )
-        limit = self.timeout_s + RETRY_AFTER_S + WAIT_MARGIN_S if timeout_s is None else timeout_s
+        limit = self.timeout_s + RETRY_AFTER_S + RUN_MARGIN_S if timeout_s is None else timeout_s
         with self._waits_lock:
             if self.cancelled is not None:
                 coro.close()

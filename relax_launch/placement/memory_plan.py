@@ -202,8 +202,11 @@ class _Builder:
 
     def device(self, rank: object) -> list[DevicePhase]:
         trainer = next((a for a in rank.assignments if a.role == "trainer"), None)
-        engines = [self.plan.engines_of(a.role)[a.engine_index] for a in rank.assignments
-                   if a.engine_index is not None]  # fmt: skip
+        engines = [
+            self.plan.engines_of(a.role)[a.engine_index]
+            for a in rank.assignments
+            if a.engine_index is not None
+        ]
         out = []
         for phase in phases_of(self.plan):
             others = []
@@ -321,10 +324,13 @@ def check_memory(job: JobConfig, memory: MemoryPlan) -> None:
                 f"sequence ({needed}: data.max_prompt_tokens + max_response_tokens), on "
                 f"{memory.capacity / GB:.0f} GB devices ({memory.capacity_source}): raise "
                 f"{role}.tp_size, lower what shares its devices, or "
-                + ("raise max_total_tokens." if engine.fraction is None else
-                   f"raise {role}.engine.mem_fraction_static (now {engine.fraction:.3f})."),
+                + (
+                    "raise max_total_tokens."
+                    if engine.fraction is None
+                    else f"raise {role}.engine.mem_fraction_static (now {engine.fraction:.3f})."
+                ),
                 (f"{role}.tp_size",),
-            )  # fmt: skip
+            )
 
 
 def _consumers(phase: DevicePhase, count: int = 3) -> list[tuple[str, Term]]:

@@ -213,8 +213,10 @@ def memory_table(memory: MemoryPlan) -> str:
         lines.append(f"  ranks {_span(ranks)}")
         for (phase, holders), device in phases:
             free = max(cap - device.total / GB, 0.0)  # SGLang's default fills its device
-            lines.append(f"    {phase:<10} {device.total / GB:6.1f} (free {free:5.1f})  "
-                         + " | ".join(holders))  # fmt: skip
+            lines.append(
+                f"    {phase:<10} {device.total / GB:6.1f} (free {free:5.1f})  "
+                + " | ".join(holders)
+            )
     for engine in memory.engines:
         f = "" if engine.fraction is None else f" mem_fraction_static {engine.fraction:.3f}"
         source, tokens = engine.fraction_source, engine.kv_tokens

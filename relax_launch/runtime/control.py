@@ -27,6 +27,9 @@ import torch.distributed as dist
 from relax_launch.deadline import Deadline
 
 POLL_S = (0.001, 0.02)  # a waiting rank polls the store this often: first, and at the slowest
+# rank 0 waits for a command's replies this long beyond the deadline it gave the ranks, before
+# their silence is the error (their own deadline's error is the better message)
+REPLY_MARGIN_S = 15.0
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,11 @@ from relax_launch.inference.engine_load import engine_load
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
-from relax_launch.runtime.control import Command
+from relax_launch.runtime.control import REPLY_MARGIN_S, Command
 from relax_launch.runtime.scale_records import Replica, ScaleOperation, state_of
 from relax_launch.runtime.workers import StartEngine, StopEngine
 
 HISTORY = 256  # operations kept for their status routes
-REPLY_MARGIN_S = 15.0  # beyond a rank's own deadline, before its silence is the error
 STOP_TIMEOUT_S = 60.0
 POLL_S = 0.1
 Call = Callable[[Command, list[int], float], dict[int, Any]]
@@ -290,9 +289,11 @@ class EngineScaler:
             self._wait_routed(op, manager, starts, picks, deadline)
 
     def _undo(self, op: ScaleOperation, picks: list[EnginePlan], why: str) -> None:
-        """A scale-out that failed: stop every engine it started, the count is as before."""
-        for replica, engine in zip(op.replicas, picks, strict=True):
-            self._stop(engine, replica, why=why)
+        """A scale-out that failed: stop every engine it started, the count is as before. A
+        rollout engine is stopped only between weight syncs (one may have admitted it)."""
+        with self.sync_lock if op.role == "rollout" else contextlib.nullcontext():
+            for replica, engine in zip(op.replicas, picks, strict=True):
+                self._stop(engine, replica, why=why)
         with self._lock:
             self.running[op.role] -= {e.index for e in picks}
 

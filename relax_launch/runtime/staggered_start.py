@@ -33,8 +33,10 @@ def waves(plan: PlacementPlan) -> list[tuple[str, ...]]:
     roles = list(dict.fromkeys(e.role for e in plan.engines))
     if plan.mode == "split":  # disjoint slices: all at once
         return [tuple(roles)]
-    by_phase = {phase: [r for r in roles if plan.engines_of(r)[0].phase == phase]
-                for phase in plan.phase_order}  # fmt: skip
+    by_phase = {
+        phase: [r for r in roles if plan.engines_of(r)[0].phase == phase]
+        for phase in plan.phase_order
+    }
     return [tuple(group) for group in by_phase.values() if group]
 
 
@@ -55,11 +57,21 @@ def start_in_waves(
             clock.mark(f"{worker.engine.role} engine {worker.engine.index} launched")
         for worker in mine:
             worker.wait_ready(timeout_s)
-            post(worker.server.url, "/release_memory_occupation", {"tags": list(MEMORY_TAGS)},
-                 timeout_s)  # fmt: skip
+            post(
+                worker.server.url,
+                "/release_memory_occupation",
+                {"tags": list(MEMORY_TAGS)},
+                timeout_s,
+            )
             clock.mark(f"{worker.engine.role} engine {worker.engine.index} parked")
-        wait_for_every_rank(store, f"start/wave{index}", rank, plan.world_size, timeout_s,
-                            f"the {', '.join(wave)} engines to load and park")  # fmt: skip
+        wait_for_every_rank(
+            store,
+            f"start/wave{index}",
+            rank,
+            plan.world_size,
+            timeout_s,
+            f"the {', '.join(wave)} engines to load and park",
+        )
 
 
 def wait_for_every_rank(

@@ -33,7 +33,7 @@ from relax_launch.placement.plan import (
     shared_tp_size,
     sync_rank_offsets,
 )
-from relax_launch.runtime.control import Command, RemoteError
+from relax_launch.runtime.control import REPLY_MARGIN_S, Command, RemoteError
 from relax_launch.runtime.engine_restart import PROBE_S, RolloutMembership, engine_alive
 from relax_launch.runtime.workers import ConnectWeights, ExportAdapter, SendWeights
 from relax_launch.weights.adapter_sync import (
@@ -49,9 +49,6 @@ from relax_launch.weights.update_session import (
     sync_deadline,
 )
 
-# A rank's own deadline error names what it waited for; the channel's reply timeout, a little
-# later, only that the rank did not answer.
-REPLY_MARGIN_S = 10.0
 # runs a command on ranks (rank 0's own share in process), within a timeout
 Call = Callable[[Command, list[int], float], dict[int, Any]]
 
@@ -217,8 +214,8 @@ class WeightSync:
         waits up to 20 s for its scheduler, which a long prefill may hold)."""
         engines = [e.index for e in self.plan.engines_of("rollout") if not e.reserved]
         synced = self.membership.synced if self.membership is not None else None
-        members = tuple(synced if synced is not None else engines)
-        urls = self._urls()
+        urls = self._urls()  # an engine a scale-out took back is gone from them: not sent to
+        members = tuple(i for i in (synced if synced is not None else engines) if i in urls)
         dead = [i for i in members if not engine_alive(urls[i], PROBE_S)]
         if dead and self.membership is None:
             raise WeightSyncError(

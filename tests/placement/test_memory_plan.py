@@ -92,10 +92,13 @@ def test_optimizer_offload_moves_the_optimizer_to_host_memory():
 
 def test_recomputation_keeps_less_activation_memory():
     kept = {
-        mode: trainer_term(job_and_memory("defer_8gpu.yaml", f"trainer.recompute={mode}")[2],
-                           "activations", phase="train")
+        mode: trainer_term(
+            job_and_memory("defer_8gpu.yaml", f"trainer.recompute={mode}")[2],
+            "activations",
+            phase="train",
+        )
         for mode in ("none", "selective", "full")
-    }  # fmt: skip
+    }
     assert kept["full"] < kept["selective"] < kept["none"]
     assert kept["full"] < kept["none"] / 5
 
@@ -151,8 +154,9 @@ def test_a_colocated_gpu_engine_is_started_with_the_planned_fraction():
     from relax_launch.runtime.engines import engine_worker
 
     overrides = ["cluster.device=cuda", "cluster.device_memory_gb=80", "rollout.engine={}"]
-    job = load_config(REPO / "configs" / "split_cpu.yaml", overrides + ["genrm.engine={}",
-                      "teacher.engine={}"])  # fmt: skip
+    job = load_config(
+        REPO / "configs" / "split_cpu.yaml", overrides + ["genrm.engine={}", "teacher.engine={}"]
+    )
     placement = plan(job)
     memory = memory_plan(job, placement)
     engine = placement.engines_of("rollout")[0]
@@ -161,9 +165,13 @@ def test_a_colocated_gpu_engine_is_started_with_the_planned_fraction():
     assert worker.server.engine["mem_fraction_static"] == memory.fraction_of(engine.label)
     given = load_config(
         REPO / "configs" / "split_cpu.yaml",
-        [*overrides, "rollout.engine.mem_fraction_static=0.5", "genrm.engine={}",
-         "teacher.engine={}"],
-    )  # fmt: skip
+        [
+            *overrides,
+            "rollout.engine.mem_fraction_static=0.5",
+            "genrm.engine={}",
+            "teacher.engine={}",
+        ],
+    )
     worker = engine_worker(given, plan(given), engine.head_rank, engine, 0, None)
     worker.close()
     assert worker.server.engine["mem_fraction_static"] == 0.5

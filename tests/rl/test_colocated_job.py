@@ -21,14 +21,8 @@ HERE = Path(__file__).parent
 def run_job(config: Path, log_dir: Path, *overrides: str) -> list[dict]:
     cli = Path(sys.executable).with_name("relax-launch")
     result = subprocess.run(
-        [
-            str(cli),
-            "run",
-            str(config),
-            f"logging.dir={log_dir}",
-            "logging.level=warning",
-            *overrides,
-        ],  # fmt: skip
+        [str(cli), "run", str(config), f"logging.dir={log_dir}", "logging.level=warning"]
+        + list(overrides),
         capture_output=True,
         text=True,
         timeout=900,

@@ -304,3 +304,44 @@ def test_closing_lets_the_operation_in_flight_end_first(scaler):
     threading.Timer(0.5, scaler.ranks.gate.set).start()
     scaler.close()  # the job stops: its ranks take the stop once the start has ended
     assert op.state == "succeeded" and op.finished is not None
+
+
+def test_a_rollout_scale_out_that_times_out_stops_its_engine_only_between_syncs(
+    tmp_path, monkeypatch
+):
+    """A scaled-out rollout engine is routed once a sync commits on it; when none does in time,
+    the engine is stopped again, but never while a sync runs (it may have admitted the engine:
+    stopping it there failed the sync, and its repair looked the engine up: a KeyError)."""
+    monkeypatch.setattr(scaling, "get_json", lambda url, path, timeout_s: {})
+    job = {**JOB, "rollout": {"ranks": 1, "max_engines": 2, "engine": {"max_total_tokens": 2048}}}
+    job["genrm"] = {**JOB["genrm"], "max_engines": 2}
+    manager = InferenceManager(
+        role="rollout",
+        model_id="tiny-llama",
+        served_model_name="/models/tiny-llama",
+        weight_source=WeightSource.TRAINER,
+        routing=RoutingSpec(default_model="tiny-llama"),
+        elastic=True,
+    )
+    manager.attach(
+        [EngineHandle("tiny-llama/0", "http://10.0.0.0:30000", "rollout", False, index=0)]
+    )
+    ranks, sync_lock = Ranks(), threading.Lock()
+    scaler = scaling.EngineScaler(
+        plan=plan(build_config(job)),
+        managers={"rollout": manager},
+        call=ranks,
+        startup_timeout_s=30,
+        drain_timeout_s=30,
+        sync_lock=sync_lock,
+        log_dir=tmp_path,
+    )
+    op = scaler.request("rollout", "scale_out", 2, timeout_s=1.0)
+    time.sleep(0.3)  # started, joining: a weight sync begins and holds the lock past the deadline
+    with sync_lock:
+        time.sleep(1.5)
+        assert not [c for c in ranks.commands if isinstance(c, StopEngine)], ranks.commands
+    document = ended(scaler, op)
+    assert document["state"] == "failed" and "no weight sync committed" in document["error"]
+    assert [type(c) for c in ranks.commands] == [StartEngine, StopEngine]
+    assert scaler.count("rollout") == 1

@@ -56,9 +56,14 @@ class Run:
     def __init__(self, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
         world = dist.get_world_size()
         self.layout = TrainerLayout(
-            tuple(range(world)), tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep,
-            dp_size=world // (tp * pp * cp), phase="train",
-        )  # fmt: skip
+            tuple(range(world)),
+            tp_size=tp,
+            pp_size=pp,
+            cp_size=cp,
+            ep_size=ep,
+            dp_size=world // (tp * pp * cp),
+            phase="train",
+        )
         self.pgc = build_trainer_groups(self.layout, platform.dist_backend("cpu"))
         self.dp_rank = self.layout.coordinates(dist.get_rank())[1]
 
@@ -200,10 +205,12 @@ def offloading(run: Run, model: str, report: dict) -> None:
 
 def dense(out: Path, llama: str, qwen3: str) -> dict:
     run = Run()
-    report = {"grad_stats_is_trainer": all(
-        p.get_grad_stats_parallel_group() is run.pgc.trainer
-        for p in run.trainer(llama, distributed_optimizer=True).optimizer.chained_optimizers
-    )}  # fmt: skip
+    report = {
+        "grad_stats_is_trainer": all(
+            p.get_grad_stats_parallel_group() is run.pgc.trainer
+            for p in run.trainer(llama, distributed_optimizer=True).optimizer.chained_optimizers
+        )
+    }
     compare(run, llama, report, "llama")
     compare(run, llama, report, "llama_unclipped", clip_grad=0.0, lr=1e-2)
     compare(run, qwen3, report, "qwen3")

@@ -63,7 +63,7 @@ def test_trainer_client_offloads_every_rank_by_command(reports):
     assert channel["offload"]["bytes"] == total, channel
     assert channel["onload_params"]["bytes"] + channel["onload"]["bytes"] == total, channel
     assert 0 < channel["onload_params"]["bytes"] < total, channel
-    assert channel["offload"]["seconds"] >= 0, channel
+    assert 0 < channel["offload"]["seconds"] < 60, channel  # the slowest rank's copy, timed
     error = channel["save_error"]
     assert "'trainer.save' failed on rank 0 (trainer)" in error and "rank 1 (trainer)" in error
     assert "save needs its params, optimizer" in error, error

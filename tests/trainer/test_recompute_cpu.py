@@ -66,9 +66,16 @@ SPECIAL = ("memory", "memory_cp2", "backward_in_a_thread")
 def test_every_case_ran(report):
     names = {name.split()[0] for name in steps(report)}
     assert names == {
-        "dense_fixed2", "dense_packed", "dense_lora", "dense_lora_dropout", "moe_replay",
-        "dense_pp2_packed", "dense_cp2_packed", "moe_tp2_sp_replay", "moe_pp2_replay",
-    }  # fmt: skip
+        "dense_fixed2",
+        "dense_packed",
+        "dense_lora",
+        "dense_lora_dropout",
+        "moe_replay",
+        "dense_pp2_packed",
+        "dense_cp2_packed",
+        "moe_tp2_sp_replay",
+        "moe_pp2_replay",
+    }
     assert len(steps(report)) == 5 + 2 * 4
 
 
