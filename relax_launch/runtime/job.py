@@ -101,7 +101,13 @@ def trainer_worker(
         device=device,
         reference=job.algorithm.kl_coef > 0,
     )
-    return TrainerWorker(trainer=trainer, shards=shards, device=device, host=node_address(plan))
+    return TrainerWorker(
+        trainer=trainer,
+        shards=shards,
+        device=device,
+        host=node_address(plan),
+        colocated=plan.mode != "decoupled",
+    )
 
 
 def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | None:

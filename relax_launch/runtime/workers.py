@@ -161,11 +161,20 @@ class TrainerWorker:
     """This rank's share of the trainer, plus weight sending on a stage's source rank."""
 
     def __init__(
-        self, *, trainer: Any, shards: ShardChannel, device: platform.Device, host: str
+        self,
+        *,
+        trainer: Any,
+        shards: ShardChannel,
+        device: platform.Device,
+        host: str,
+        colocated: bool = False,
     ) -> None:
         self.trainer, self.shards, self.device, self.host = trainer, shards, device, host
         self.sender: WeightSender | None = None
-        self.fused = self.changed_only = False
+        self.fused = False
+        # Colocated engines get released weights back as zeros: each sync sends the whole model
+        # (elsewhere a LoRA sync, its targeted weights). Known on all TP ranks: they all gather.
+        self.changed_only = not colocated
         self.manifest: list[TensorSpec] = []
 
     def handlers(self) -> dict[str, Handler]:
@@ -203,10 +212,6 @@ class TrainerWorker:
         ``colocated``: the engines share this rank's host and device (split, defer): the
         weights go by ``torch.multiprocessing`` handles instead (``weights/colocated.py``)."""
         self.fused = command.engine_tp_size > 0
-        # A colocated engine's released weights come back as zeros (no backup): every sync
-        # brings the whole model back, a LoRA policy's frozen base too. Elsewhere the engines
-        # keep the base, and a LoRA sync sends the targeted weights alone, merged.
-        self.changed_only = not command.colocated
         shards = None
         if self.fused and not command.colocated:  # buckets carry whole tensors
             shape = self.trainer.shape
