@@ -17,6 +17,7 @@ plan unless its config gives one; a decoupled engine's default is SGLang's own.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -115,6 +116,7 @@ def device_capacity(job: JobConfig) -> tuple[float, str]:
     return ASSUMED_GPU_GB * GB, "assumed: an 80 GB H100 (set cluster.device_memory_gb)"
 
 
+@functools.cache  # preflight, launch and each engine worker plan memory: ask the GPU once
 def _nvidia_smi_bytes() -> float | None:
     if shutil.which("nvidia-smi") is None:
         return None
