@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
 from relax_launch import __version__, platform
+from relax_launch.commands.sbatch import SbatchOptions, check_gpus, render, submit
 from relax_launch.config import ConfigError, JobConfig, load_config
 from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
 from relax_launch.placement.memory_plan import memory_plan
 from relax_launch.placement.render import memory_table, summary, table, write_picture
+from relax_launch.rl.inputs import check_inputs
+from relax_launch.run_dir import STOP_FILE
 
 
 def _load_and_plan(
@@ -31,8 +35,6 @@ def _load_and_plan(
     notes = preflight(job, placement, require_models=require_models)
     if require_models:  # about to start it
         check_runnable(job, placement)
-        from relax_launch.rl.inputs import check_inputs  # reads the data, imports rewards
-
         check_inputs(job.data, job.reward, job.eval, job.rollout.function)
     return job, placement, notes
 
@@ -188,8 +190,6 @@ def sbatch_command(
     Refuses, before submitting, a config that is invalid or whose plan does not fit the nodes
     asked for. Prints the Slurm job id and where its output goes.
     """
-    from relax_launch.commands.sbatch import SbatchOptions, check_gpus, render, submit
-
     overrides = (*overrides, f"cluster.nnodes={nodes}") if nodes else overrides
     try:
         job, placement, _ = _load_and_plan(
@@ -254,10 +254,6 @@ def top_command(target: str, interval: float, once: bool, token_env: str) -> Non
 def stop_command(run_dir: str) -> None:
     """Ask the job writing RUN_DIR to stop after a checkpoint (it exits 75; resume it with
     --resume)."""
-    from pathlib import Path
-
-    from relax_launch.run_dir import STOP_FILE
-
     (Path(run_dir) / STOP_FILE).touch()
     click.echo(f"relax-launch: asked the job in {run_dir} to stop after a checkpoint")
 

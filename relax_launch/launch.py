@@ -14,6 +14,9 @@ from relax_launch import platform
 from relax_launch.config import ConfigError, load_config
 from relax_launch.placement import check_runnable, plan, preflight
 from relax_launch.placement.memory_plan import check_device, memory_plan
+from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.interfaces import JobStopped
+from relax_launch.run_dir import EXIT_STOPPED
 
 
 def main(argv: list[str]) -> int:
@@ -35,16 +38,12 @@ def main(argv: list[str]) -> int:
             (job.log_dir / "memory_plan.json").write_text(memory.to_json())
         prompts = []  # read and checked once, by rank 0: the controller trains on them
         if rank == 0:
-            from relax_launch.rl.inputs import check_inputs
-
             prompts = check_inputs(job.data, job.reward, job.eval, job.rollout.function)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2
-    from relax_launch.rl.interfaces import JobStopped
-    from relax_launch.rl.program import rl_program
-    from relax_launch.run_dir import EXIT_STOPPED
-    from relax_launch.runtime.job import run_rank  # torch and friends: after validation
+    from relax_launch.rl.program import rl_program  # torch and friends: after validation
+    from relax_launch.runtime.job import run_rank
 
     try:
         run_rank(job, placement, rl_program(job, prompts))

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relax_launch"
 # Lower numbers are lower layers; a module may import its own layer or any below it, and the
 # packages of one layer must not import each other in a cycle.
 LAYERS = {
-    "schema": 0,  # relax_launch/config/ and every package's own config.py section module
+    "schema": 0,  # relax_launch/config/ and every package's own config section modules
     "platform": 0,
     "models": 0,
     "http": 0,  # relax_launch/http.py: the one HTTP client library
@@ -40,9 +40,15 @@ LAYERS = {
 def unit_of(module: str) -> str:
     """The layer unit of a dotted module name inside relax_launch."""
     parts = module.split(".")[1:]
-    if not parts or parts[0] == "config" or parts[-1] == "config":
+    if not parts or parts[0] == "config" or is_config_module(parts[-1]):
         return "schema"
     return parts[0]
+
+
+def is_config_module(name: str) -> bool:
+    """A package's config sections: ``config.py``, or ``<concept>_config.py`` when the package
+    owns sections of more than one concept (``rl/data_config.py``)."""
+    return name == "config" or name.endswith("_config")
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:

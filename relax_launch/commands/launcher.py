@@ -148,12 +148,15 @@ def next_steps(job: JobConfig, args: list[str], cause: str) -> str:
     """What the operator can do after a failure: the option that would have kept the job
     going, and the command that resumes it from its newest checkpoint."""
     steps = []
-    if " engine " in cause and "SGLang server" in cause and "rollout" in cause:
-        if job.rollout is not None and not job.rollout.fault_tolerance and not job.rollout.prefill:
-            steps.append(
-                "with rollout.fault_tolerance=true (decoupled, 2+ rollout engines) a dead "
-                "rollout engine is restarted and the job goes on"
-            )
+    dead = re.search(r"\b(rollout|teacher|genrm) engine \d+ on rank .*SGLang server", cause)
+    section = job.inference_roles().get(dead.group(1)) if dead else None
+    if section is not None and not section.fault_tolerance and not section.prefill:
+        role = dead.group(1)
+        needs = "decoupled, 2+ rollout engines" if role == "rollout" else "decoupled"
+        steps.append(
+            f"with {role}.fault_tolerance=true ({needs}) a dead {role} engine is restarted and "
+            "the job goes on"
+        )
     newest = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last).newest()
     if newest is not None:
         steps.append(f"resume from step {newest[0]} with: {resume_command(args)}")

@@ -32,8 +32,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_launch.config import load_config
 from relax_launch.config.errors import ConfigError
 from relax_launch.config.job import JobConfig
+from relax_launch.placement import plan as place
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import summary
 
@@ -266,9 +268,6 @@ EXAMPLES = (
 def render_examples() -> dict[str, str]:
     """The scripts of slurm/, by file name, as ``relax-launch sbatch --dry-run`` renders them
     (agents run ``python``: the environment the job is submitted from)."""
-    from relax_launch.config import load_config
-    from relax_launch.placement import plan as place
-
     scripts = {}
     for config_path, options, name in EXAMPLES:
         job = load_config(config_path, ())

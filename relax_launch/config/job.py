@@ -21,11 +21,10 @@ from relax_launch.placement.config import ClusterConfig, PlacementConfig
 from relax_launch.rl.config import (
     AlgorithmConfig,
     CheckpointConfig,
-    DataConfig,
-    EvalConfig,
     LoggingConfig,
     RewardConfig,
 )
+from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
 
@@ -67,6 +66,11 @@ class JobConfig(Section):
         """The configured inference roles, in placement order (rollout, genrm, teacher)."""
         roles = {"rollout": self.rollout, "genrm": self.genrm, "teacher": self.teacher}
         return {name: cfg for name, cfg in roles.items() if cfg is not None}
+
+    def fault_tolerant(self, role: str) -> bool:
+        """Whether a dead engine of ``role`` is restarted (``{role}.fault_tolerance``)."""
+        section = self.inference_roles().get(role)
+        return section is not None and section.fault_tolerance
 
     @property
     def log_dir(self) -> Path:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 def cross_section_problems(job: JobConfig) -> list[str]:
     problems = _role_usage_problems(job) + _colocation_problems(job) + _engine_problems(job)
     problems += _batch_problems(job) + _fault_tolerance_problems(job)
+    problems += _static_fault_tolerance_problems(job)
     problems += _algorithm_problems(job) + _lora_problems(job)
     problems += _disaggregation_problems(job) + _micro_batch_problems(job)
     return problems + _elastic_problems(job) + _optimizer_offload_problems(job)
@@ -34,11 +35,6 @@ def _elastic_problems(job: JobConfig) -> list[str]:
                 f"{name}.max_engines with {name}.prefill: a scaled-out engine would need a "
                 "prefill partner of its own; remove one of them."
             )
-    if job.rollout.max_engines is not None and job.gateway.rollout_route_mode == "router":
-        problems.append(
-            "rollout.max_engines with gateway.rollout_route_mode=router: sglang-router's worker "
-            "list is fixed when it starts; use rollout_route_mode=direct."
-        )
     return problems
 
 
@@ -177,20 +173,57 @@ def _optimizer_offload_problems(job: JobConfig) -> list[str]:
 
 
 def _fault_tolerance_problems(job: JobConfig) -> list[str]:
-    """What rollout.fault_tolerance needs: engines of their own, others to take over, and the
-    controller choosing the engine."""
+    """What rollout.fault_tolerance needs: engines of their own, others to take over, and,
+    behind sglang-router, plain workers (``inference/router_workers.py``)."""
     if not job.rollout.fault_tolerance:
         return []
     needs = []
     if job.placement.mode != "decoupled":
         needs.append(f"placement.mode=decoupled (not {job.placement.mode})")
-    if job.rollout.num_engines < 2:
+    prefill = job.rollout.prefill
+    if prefill is not None and min(job.rollout.num_engines, prefill.num_engines) < 2:
+        needs.append(
+            "two or more prefill/decode pairs, so that one serves while a half restarts "
+            f"(rollout.ranks={job.rollout.ranks} and rollout.prefill.ranks={prefill.ranks} make "
+            f"{job.rollout.num_engines} decode and {prefill.num_engines} prefill engines)"
+        )
+    elif job.rollout.num_engines < 2:
         needs.append(f"two or more rollout engines (rollout.ranks={job.rollout.ranks} makes one)")
-    if job.gateway.rollout_route_mode != "direct":
-        needs.append("gateway.rollout_route_mode=direct (sglang-router picks engines itself)")
+    if prefill is not None and job.gateway.rollout_route_mode == "router":
+        needs.append(
+            "gateway.rollout_route_mode=direct with rollout.prefill (relax-launch changes "
+            "sglang-router's plain workers as engines die and come back, not its prefill/decode "
+            "pairs)"
+        )
     if not needs:
         return []
     return [f"rollout.fault_tolerance needs {' and '.join(needs)}: set them or turn it off."]
+
+
+def _static_fault_tolerance_problems(job: JobConfig) -> list[str]:
+    """What teacher/genrm fault_tolerance needs: engines that own their memory (a restarted
+    server loads its weights and KV cache at once, while a colocated role's memory belongs to
+    whichever role's turn it is) and no prefill half (it would have to rejoin its partner's KV
+    transfer). One engine is enough: requests wait for it to come back."""
+    problems = []
+    for role in ("teacher", "genrm"):
+        section = getattr(job, role)
+        if section is None or not section.fault_tolerance:
+            continue
+        if job.placement.mode != "decoupled":
+            problems.append(
+                f"{role}.fault_tolerance needs placement.mode=decoupled (not "
+                f"{job.placement.mode}): a restarted {role} server loads its weights and KV cache "
+                "at once, into GPU memory that colocated roles take in turns. Use decoupled or "
+                f"set {role}.fault_tolerance=false."
+            )
+        if section.prefill is not None:
+            problems.append(
+                f"{role}.fault_tolerance needs no {role}.prefill: a restarted half would have "
+                f"to rejoin its partner's KV transfer. Remove {role}.prefill or set "
+                f"{role}.fault_tolerance=false."
+            )
+    return problems
 
 
 def _disaggregation_problems(job: JobConfig) -> list[str]:
@@ -219,10 +252,6 @@ def _disaggregation_problems(job: JobConfig) -> list[str]:
 
 def _rollout_disaggregation_clashes(job: JobConfig) -> dict[str, tuple[bool, str]]:
     return {
-        "rollout.fault_tolerance off": (
-            job.rollout.fault_tolerance,
-            "a restarted half would have to rejoin its partner's KV transfer",
-        ),
         "algorithm.routing_replay off": (
             job.algorithm.routing_replay,
             "the routed experts of a prompt are recorded on the prefill side",
@@ -265,7 +294,6 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
             "placement.mode=decoupled": job.placement.mode != "decoupled",
             "algorithm.off_policy_steps=0": a.off_policy_steps > 0,
             "algorithm.dynamic_sampling off": a.dynamic_sampling,
-            "rollout.fault_tolerance off": job.rollout.fault_tolerance,
         }
         if needed := [what for what, clash in clashes.items() if clash]:
             problems.append(

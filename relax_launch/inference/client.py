@@ -27,6 +27,7 @@ from relax_launch.inference.disaggregation import (
     PairRequest,
     PrefillFailed,
     PrefillTarget,
+    PrefillUnreachable,
     bootstrapped,
     watched,
     with_input_logprobs,
@@ -88,8 +89,8 @@ class Prepared:
         except PrefillFailed as exc:
             if exc.status == 504:
                 raise TimeoutError(str(exc)) from None
-            if exc.status == 502:
-                raise http.TransportError(str(exc)) from None
+            if exc.status == 502:  # its prefill engine is gone, not the decode engine
+                raise PrefillUnreachable(self.prefill.url + self.path, str(exc)) from None
             error = orjson.dumps({"error": {"message": str(exc), "code": exc.status}})
             return http.Reply(exc.status, {}, error)
 
@@ -251,9 +252,13 @@ class AsyncInferenceClient:
         prefill = None
         if prepared.prefill is not None:
             prefill = PairRequest(
-                self.session, prepared.prefill, prepared.path, prepared.body, prepared.headers,
+                self.session,
+                prepared.prefill,
+                prepared.path,
+                prepared.body,
+                prepared.headers,
                 self.timeout_s,
-            ).prefill_until_failure()  # fmt: skip
+            ).prefill_until_failure()
         try:
             async with self.session.post(
                 prepared.url, data=prepared.body, headers=prepared.headers, timeout=per_read

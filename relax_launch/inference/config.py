@@ -66,9 +66,8 @@ class PrefillConfig(EngineShape):
     )
 
 
-class AutoscaleConfig(Section):
-    """Scale a role's engines with its load: the engines' own queues (SGLang's ``/metrics``)
-    and the requests the gateway and the controller have in flight to them."""
+class AutoscaleBounds(Section):
+    """The engines an autoscaler keeps a role between."""
 
     min_engines: int | None = Field(
         None, ge=1, description="Fewest engines; default the planned count (ranks / engine size)."
@@ -76,6 +75,12 @@ class AutoscaleConfig(Section):
     max_engines: int | None = Field(
         None, ge=1, description="Most engines; default the role's max_engines."
     )
+
+
+class AutoscaleConfig(AutoscaleBounds):
+    """Scale a teacher or genrm role's engines with its load: the engines' own queues (SGLang's
+    ``/metrics``) and the requests the gateway and the controller have in flight to them."""
+
     target_queue_per_engine: float = Field(
         4.0,
         gt=0,
@@ -93,6 +98,48 @@ class AutoscaleConfig(Section):
         30.0, ge=0, description="No decision for this long after any scale operation ended."
     )
     interval_s: float = Field(1.0, gt=0, description="How often the load is read.")
+
+
+class RolloutAutoscaleConfig(AutoscaleBounds):
+    """Scale the rollout engines with the rollout phases' demand across steps, decided once per
+    finished phase (``runtime/autoscale_policy.py``): never from the idleness of a train phase,
+    and a scale-out still waiting for its weight sync asks nothing more."""
+
+    target_phase_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a rollout phase should take: it wants ceil(engines x phase seconds "
+        "/ target_phase_s) engines, the count that would have generated the phase in this time "
+        "(throughput taken as proportional to the engines). Unset: target_queue_per_engine "
+        "sizes it. The fully asynchronous schedule sizes by keeping the trainer fed instead: "
+        "ceil(engines x seconds the engines were busy / seconds the trainer did not wait).",
+    )
+    target_queue_per_engine: float = Field(
+        4.0,
+        gt=0,
+        description="Without target_phase_s: requests per engine at a rollout phase's start "
+        "(prompts x n_samples_per_prompt) it aims at, ceil(requests / target) engines.",
+    )
+    scale_up_phases: int = Field(
+        1,
+        ge=1,
+        description="Scale out once this many rollout phases in a row wanted more engines (to "
+        "the fewest any of them wanted).",
+    )
+    scale_down_phases: int = Field(
+        3,
+        ge=1,
+        description="Scale in once this many rollout phases in a row wanted fewer engines (to "
+        "the most any of them wanted).",
+    )
+    scale_in_margin: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="A phase wants fewer engines only if they would have met the target with "
+        "this share to spare (0.2: at most 80% of target_phase_s, or of target_queue_per_engine), "
+        "so a demand at a count's edge does not scale in and straight out again.",
+    )
 
 
 class InferenceRoleConfig(EngineShape):
@@ -235,9 +282,19 @@ class RolloutConfig(InferenceRoleConfig):
     fault_tolerance: bool = Field(
         False,
         description="An engine whose server dies is taken out of routing, its lost generations "
-        "are sent to the other engines, and its rank restarts it (at most 3 times per engine); "
-        "it serves again after the next weight sync. Off: a dead engine ends the job. Needs "
-        "placement.mode=decoupled, two or more rollout engines and rollout_route_mode=direct.",
+        "are sent to the other engines (rollout/prompts_regenerated counts them; with "
+        "max_staleness an interrupted generation keeps the tokens it already got back), and "
+        "its rank restarts it (at most 3 times per engine); it serves again after the next "
+        "weight sync. With prefill engines the pair of a dead half leaves routing until that "
+        "half is back. Off: a dead engine ends the job. Needs placement.mode=decoupled, two or "
+        "more rollout engines (with prefill engines, two or more of each), and with prefill "
+        "engines rollout_route_mode=direct.",
+    )
+    autoscale: RolloutAutoscaleConfig | None = Field(
+        None,
+        description="Scale the engines between autoscale.min_engines and max_engines with the "
+        "rollout phases' demand across steps; every decision goes to autoscaler.jsonl in the "
+        "run directory. Needs max_engines.",
     )
 
 
@@ -245,6 +302,15 @@ class StaticRoleConfig(InferenceRoleConfig):
     """A static model (teacher, genrm): serves its starting weights; never joins weight sync."""
 
     model: str = Field(description="Model: a Hugging Face directory or builtin:NAME.")
+    fault_tolerance: bool = Field(
+        False,
+        description="An engine whose server dies is restarted by its rank (at most 3 times per "
+        "engine), loads its model again and serves again as soon as it is ready (no weight "
+        "sync: it serves its starting weights); the requests it lost go to another engine, and "
+        "while none is left they wait for one to come back (at most cluster.startup_timeout_s, "
+        "announced on the console). One engine is enough. Off: a dead engine ends the job. "
+        "Needs placement.mode=decoupled and no prefill engines.",
+    )
 
 
 class TeacherConfig(StaticRoleConfig):
@@ -281,7 +347,8 @@ class GatewayConfig(Section):
     rollout_route_mode: Literal["direct", "router"] = Field(
         "direct",
         description="Rollout traffic straight to engines, or through sglang-router (started with "
-        "routing_policy: its round_robin, or its manual policy keyed by x-smg-routing-key).",
+        "routing_policy: its round_robin, or its manual policy keyed by x-smg-routing-key); its "
+        "workers follow the engines in routing (scaled out or in, restarted).",
     )
 
     @field_validator("request_timeout_s")

@@ -17,10 +17,12 @@ from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig
 from relax_launch.inference.disaggregation import EngineHalf, PrefillTarget, check_pair
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle
-from relax_launch.inference.gateway import InferenceGateway, Renderer
+from relax_launch.inference.gateway import InferenceGateway
+from relax_launch.inference.generation_routes import Renderer
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.router import SGLangRouter
+from relax_launch.inference.router_workers import RouterWorkers
 from relax_launch.inference.serve import GatewayServer
 
 log = logging.getLogger("relax_launch.gateway")
@@ -38,7 +40,9 @@ class RoleSpec:
     parked: bool = False  # its engines start with every memory tag released
 
 
-def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> InferenceManager:
+def build_manager(
+    spec: RoleSpec, gateway: GatewayConfig, timeout_s: float, restart_wait_s: float = 0.0
+) -> InferenceManager:
     model_id = spec.section.resolved_model_id(spec.model)
     names = (spec.model, *spec.section.aliases)
     return InferenceManager(
@@ -56,6 +60,7 @@ def build_manager(spec: RoleSpec, gateway: GatewayConfig, timeout_s: float) -> I
         drain_timeout_s=timeout_s,
         vocab_size=json.loads((spec.model_dir / "config.json").read_text()).get("vocab_size"),
         fault_tolerant=getattr(spec.section, "fault_tolerance", False),
+        restart_wait_s=restart_wait_s,
         elastic=spec.section.max_engines is not None,
     )
 
@@ -118,6 +123,7 @@ class ControlPlane:
         log_dir: Path,
         operation_timeout_s: float = 120.0,
         request_timeout_s: float | None = None,
+        restart_wait_s: float = 0.0,
     ) -> None:
         self.specs = {spec.role: spec for spec in roles}
         self.config, self.log_dir = gateway, log_dir
@@ -125,7 +131,9 @@ class ControlPlane:
         self.request_timeout_s = (
             gateway.timeout_s() if request_timeout_s is None else request_timeout_s
         )
-        self.managers = {s.role: build_manager(s, gateway, operation_timeout_s) for s in roles}
+        self.managers = {
+            s.role: build_manager(s, gateway, operation_timeout_s, restart_wait_s) for s in roles
+        }
         renderers = {s.role: chat_renderer(s.model_dir) for s in roles if s.role == "genrm"}
         app = InferenceGateway(
             self.managers,
@@ -185,7 +193,7 @@ class ControlPlane:
             for i, url in enumerate(urls)
         ]
         pair_up(handles, halves, startup_timeout_s)
-        router_url = None
+        router_url, workers = None, None
         if role == "rollout" and self.config.rollout_route_mode == "router":
             self.router = SGLangRouter(
                 worker_urls=[h.url for h in handles if h.half is None],
@@ -196,7 +204,9 @@ class ControlPlane:
             )
             self.router.start(startup_timeout_s)
             router_url = self.router.url
-        manager.attach(handles, router_url=router_url)
+            if all(h.half is None for h in handles):  # its workers follow routing from now on
+                workers = RouterWorkers(router_url, self.router.worker_urls)
+        manager.attach(handles, router_url=router_url, router=workers)
 
     def coordinated_by(self, leases: Callable[[], dict[str, dict[str, Any]]]) -> None:
         """split/defer: show each role's lease on its admin engines route, and refuse admin

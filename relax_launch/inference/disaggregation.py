@@ -31,6 +31,15 @@ ALONE = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}
 _rooms = random.SystemRandom()
 PREFILL_GRACE_S = 1.0  # how long a pair's answer waits for its prefill half's own reply
 T = TypeVar("T")
+# A decode half checks its prefill halves' bootstrap servers every HEARTBEAT_S and, after
+# HEARTBEAT_FAILURES failed checks in a row, forgets what it cached of one (its bootstrap info,
+# its KV-transfer connection: SGLang's ``CommonKVManager._handle_node_failure``); the next
+# request then fetches it again and registers its KV memory anew. A prefill half restarted at
+# the same address before that would be sent to as if it were the dead one (it knows no decode
+# half's memory, and its KV transfer waits for one), so its restart waits PARTNER_FORGETS_S.
+HEARTBEAT_S = 2.0  # SGLang's shortest interval (SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL)
+HEARTBEAT_FAILURES = 2  # its default (SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE)
+PARTNER_FORGETS_S = HEARTBEAT_S * (HEARTBEAT_FAILURES + 1)  # one check's phase at most, on top
 
 
 def server_args(half: str | None, bootstrap_port: int | None) -> dict[str, Any]:
@@ -41,6 +50,29 @@ def server_args(half: str | None, bootstrap_port: int | None) -> dict[str, Any]:
     if half == "prefill":
         args["disaggregation_bootstrap_port"] = bootstrap_port
     return args
+
+
+def server_env(half: str | None) -> dict[str, str]:
+    """A decode half's heartbeat to its prefill halves, pinned (see ``PARTNER_FORGETS_S``)."""
+    if half != "decode":
+        return {}
+    return {
+        "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_S),
+        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": str(HEARTBEAT_FAILURES),
+    }
+
+
+def halves_without_partner(engines: list[Any], out: set[str]) -> set[str]:
+    """The ids of the halves among ``engines`` (``EngineHandle``) left without a partner by the
+    engines ``out`` of routing: a decode half whose prefill half is out, a prefill half whose
+    decode halves all are."""
+    decodes = [e for e in engines if e.half == "decode"]
+    alone = {d.engine_id for d in decodes if d.prefill_id in out}
+    for prefill in (e for e in engines if e.half == "prefill"):
+        partners = [d.engine_id for d in decodes if d.prefill_id == prefill.engine_id]
+        if partners and set(partners) <= out:
+            alone.add(prefill.engine_id)
+    return alone - out
 
 
 @dataclass(frozen=True)
@@ -65,6 +97,15 @@ class PrefillTarget:
     def at(cls, engine_id: str, url: str, bootstrap_port: int) -> PrefillTarget:
         """The prefill engine serving at ``url``: its bootstrap server is on the same host."""
         return cls(engine_id, url, urlsplit(url).hostname or "", bootstrap_port)
+
+
+class PrefillUnreachable(aiohttp.ClientConnectionError):
+    """The prefill half of a pair's request refused or dropped it: the failure is that engine's
+    (``url``: where the request went), not the decode half's the request was routed to."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url
 
 
 class PrefillFailed(RuntimeError):
@@ -217,9 +258,13 @@ def check_pair(decode_url: str, prefill: PrefillTarget, timeout_s: float) -> Non
     async def once() -> http.Reply:
         async with http.session() as session:
             decode = http.fetch(
-                session, "POST", decode_url + "/generate", body=body, headers=headers,
+                session,
+                "POST",
+                decode_url + "/generate",
+                body=body,
+                headers=headers,
                 timeout_s=timeout_s,
-            )  # fmt: skip
+            )
             pair = PairRequest(session, prefill, "/generate", body, headers, timeout_s)
             return (await pair.alongside(decode))[0]
 

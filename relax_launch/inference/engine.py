@@ -84,7 +84,8 @@ class EngineHandle:
             reply = post(self.url, "/" + op, body, timeout_s or self.timeout_s)
         except EngineRequestError as exc:
             self.history.append((op, "error", round(time.monotonic() - started, 3)))
-            raise EngineRequestError(f"{self.role} engine {self.engine_id}: {exc}") from None
+            # the same kind: an unreachable engine (gone) stays told apart from a failing one
+            raise type(exc)(f"{self.role} engine {self.engine_id}: {exc}") from None
         self.history.append((op, "ok", round(time.monotonic() - started, 3)))
         return reply
 

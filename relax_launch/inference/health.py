@@ -37,7 +37,7 @@ class HealthProbe:
         window, failures = Deadline(self.window_s), []
         for attempt in range(self.attempts):
             try:
-                reply = await http.fetch(session, "GET", url + "/health", timeout_s=self.timeout_s)
+                reply = await self._health(session, url)
                 if reply.ok:
                     return None
                 failures.append(f"HTTP {reply.status}")
@@ -54,3 +54,16 @@ class HealthProbe:
             f"{self.attempts} probes of {url}/health over {self.window_s:.0f} s failed: "
             + "; ".join(failures)
         )
+
+    async def _health(self, session: aiohttp.ClientSession, url: str) -> http.Reply:
+        """``GET /health``. A connection dropped under it is most likely one the engine's dead
+        server left in the pool (kept alive, its close not read yet; aiohttp's one retry of a
+        GET may take another such): asked again at once on a connection of its own, whose
+        refusal tells a dead server without waiting out a share of the window."""
+        try:
+            return await http.fetch(session, "GET", url + "/health", timeout_s=self.timeout_s)
+        except http.TransportError as exc:
+            if http.refused(exc) or not http.unreachable(exc):
+                raise
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as own:
+            return await http.fetch(own, "GET", url + "/health", timeout_s=self.timeout_s)

@@ -26,9 +26,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
-from relax_launch.inference.gateway import JUDGE_SAMPLING, Renderer
+from relax_launch.inference.disaggregation import PrefillUnreachable
+from relax_launch.inference.generation_routes import JUDGE_SAMPLING, Renderer
 from relax_launch.inference.health import HealthProbe
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.outage import EngineOutage
 from relax_launch.inference.requests import vocabulary_problem
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
@@ -81,7 +83,13 @@ class ControllerMetrics:
         )
         self.engines_lost = Counter(
             "relax_controller_engines_lost",
-            "Engines the controller found dead and routed around (rollout.fault_tolerance).",
+            "Engines the controller found dead and routed around ({role}.fault_tolerance).",
+            ("role",),
+            registry=self.registry,
+        )
+        self.regenerated = Counter(
+            "relax_controller_requests_regenerated",
+            "Requests lost on an engine that died or was scaled in, sent to another engine.",
             ("role",),
             registry=self.registry,
         )
@@ -115,6 +123,7 @@ class EngineClient:
         self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
         self.render = render  # the genrm role's judge form (chat messages in)
         self.probe = probe or HealthProbe()  # when an engine that dropped a request is gone
+        self.outage = EngineOutage(manager)  # every engine restarting: requests wait for one
         # engine id -> its probe in progress: the requests it dropped all wait on one
         self._probes: dict[str, asyncio.Future[str | None]] = {}
 
@@ -162,8 +171,9 @@ class EngineClient:
         except InferenceError as error:
             if error.status != 503:
                 raise
-        # refused as not ready, before any engine saw it: once more, as through the gateway
-        await asyncio.sleep(RETRY_AFTER_S)
+        # refused as not ready, before any engine saw it: once more, as through the gateway,
+        # or once an engine serves again when every one is restarting
+        await (self.outage.wait() if self.outage.waits else asyncio.sleep(RETRY_AFTER_S))
         return self._route(path, payload, affinity_key)
 
     async def _post(self, prepared: Prepared) -> http.Reply:
@@ -177,8 +187,10 @@ class EngineClient:
                 504, f"upstream {prepared.url} did not answer within {self.timeout_s:.0f} s"
             ) from None
         except http.TransportError as exc:
+            # a pair's prefill half that is gone is that engine's failure, not the decode half's
+            url = exc.url if isinstance(exc, PrefillUnreachable) else prepared.url
             raise EngineUnreachable(
-                prepared.url, f"upstream {prepared.url} unavailable: {type(exc).__name__}: {exc}"
+                url, f"upstream {url} unavailable: {type(exc).__name__}: {exc}"
             ) from None
         if not reply.ok:
             raise InferenceError.of(reply)
@@ -189,8 +201,8 @@ class EngineClient:
     ) -> http.Reply:
         """``_post``; on a fault-tolerant role, an engine that cannot be reached and is gone
         (``_engine_died``) leaves routing and the request goes to another engine (what it was
-        generating died with it), until none is left (503). So does a request that was still
-        on an engine a scale-in stopped."""
+        generating died with it); with none left, it waits for one (``EngineOutage``) or gets
+        503. So does a request that was still on an engine a scale-in stopped."""
         while True:
             try:
                 return await self._post(prepared)
@@ -199,7 +211,9 @@ class EngineClient:
                     log.info("%s: %s was scaled in; sent elsewhere", self.role, error.url)
                 elif not self.manager.fault_tolerant or not await self._engine_died(error):
                     raise
-            prepared = self._route(path, payload, affinity_key)
+            self.manager.requests.regenerating()  # generated again from its start
+            self.metrics.regenerated.labels(self.role).inc()
+            prepared = await self._routed(path, payload, affinity_key)
 
     async def _engine_died(self, error: EngineUnreachable) -> bool:
         """Whether the engine behind ``error`` is gone (then it is out of routing now): its
@@ -330,7 +344,10 @@ class EngineClients:
                 "the controller's engine clients are not running (not started, or closed), or "
                 "run() was called on their own event loop"
             )
-        limit = self.timeout_s + RETRY_AFTER_S + RUN_MARGIN_S if timeout_s is None else timeout_s
+        # a request may also wait for a restarted engine (EngineOutage) before it is sent
+        restart_s = max(c.outage.bound_s for c in self.clients.values()) if self.clients else 0
+        limit = self.timeout_s + restart_s + RETRY_AFTER_S + RUN_MARGIN_S
+        limit = limit if timeout_s is None else timeout_s
         with self._waits_lock:
             if self.cancelled is not None:
                 coro.close()

@@ -28,6 +28,7 @@ from relax_launch.inference.discovery import (
 )
 from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle, EngineRequestError
 from relax_launch.inference.request_counts import RequestCounts
+from relax_launch.inference.router_workers import RouterWorkers
 
 
 class LifecycleError(RuntimeError):
@@ -36,6 +37,8 @@ class LifecycleError(RuntimeError):
 
 class InferenceManager:
     """One role's model: its engines, their lifecycle, readiness and discovery."""
+
+    router: RouterWorkers | None = None  # route mode router: its workers follow routing
 
     def __init__(
         self,
@@ -49,14 +52,15 @@ class InferenceManager:
         drain_timeout_s: float = 60.0,
         vocab_size: int | None = None,
         fault_tolerant: bool = False,
+        restart_wait_s: float = 0.0,
         elastic: bool = False,
     ) -> None:
         self.role, self.model_id, self.served_model_name = role, model_id, served_model_name
         self.vocab_size = vocab_size  # token ids outside it are refused before the engine
         self.weight_source, self.routing, self.phase = weight_source, routing, phase
         self.drain_timeout_s = drain_timeout_s
-        # an engine that stops answering is routed around until it comes back (rollout only)
-        self.fault_tolerant = fault_tolerant
+        # an engine that stops answering is routed around; with none left, wait for a restart
+        self.fault_tolerant, self.restart_wait_s = fault_tolerant, restart_wait_s
         self.lost: dict[str, str] = {}  # engine id -> why it is out of routing
         # elastic replicas (max_engines): engines come and go while the job runs
         self.elastic = elastic
@@ -84,10 +88,12 @@ class InferenceManager:
         engines: list[EngineHandle],
         router_url: str | None = None,
         on_shutdown: Iterable[Callable[[], None]] = (),
+        router: RouterWorkers | None = None,
     ) -> None:
-        """The engines are up and serving (each generated a token)."""
+        """The engines are up and serving (each generated a token); ``router``: the worker
+        list of the router at ``router_url``, kept to the engines in routing."""
         with self._operation, self._fields:
-            self.engines, self.router_url = list(engines), router_url
+            self.engines, self.router_url, self.router = list(engines), router_url, router
             self._on_shutdown = list(on_shutdown)
             self.state = State.READY
 
@@ -109,6 +115,9 @@ class InferenceManager:
         stale = {k: v for k, v in served.items() if v != str(version)}
         if stale:
             self._fail(f"engines {stale} do not serve weight_version {version} after the sync")
+        if self.router is not None:  # a scaled-out or restarted engine joins it now, not before
+            for engine in self.router.match(self.serving):
+                self.engine_lost(engine.engine_id, f"sglang-router did not take {engine.url}")
         with self._fields:
             self.updating, self.weights_valid, self.weight_version = False, True, str(version)
             self.weights_lost_why = ""
@@ -130,6 +139,7 @@ class InferenceManager:
         """Take an engine out of routing (its server died) until ``engine_back``."""
         with self._fields:
             self.lost.setdefault(engine_id, why)
+        self._unroute(engine_id)
 
     def engine_back(self, engine_id: str) -> None:
         """A lost engine was restarted and takes part in the weight sync about to run: it is
@@ -160,10 +170,12 @@ class InferenceManager:
         """Out of routing for good: a scale-in lets what it was sent finish first."""
         with self._fields:
             self.retired.add(engine_id)
+        self._unroute(engine_id)
 
     def remove_engine(self, engine_id: str) -> None:
         """The engine's server was stopped (or never served): forget it; a request that fails
         at its address is sent elsewhere (``was_retired``)."""
+        self._unroute(engine_id)
         with self._fields:
             for engine in self.engines:
                 if engine.engine_id == engine_id:
@@ -172,6 +184,12 @@ class InferenceManager:
             self.lost.pop(engine_id, None)
             self.joining.discard(engine_id)
             self.retired.discard(engine_id)
+
+    def _unroute(self, engine_id: str) -> None:
+        """Route mode router: out of the router's workers too, before this returns."""
+        for engine in self.engines if self.router is not None else ():
+            if engine.engine_id == engine_id:
+                self.router.remove(engine.url)
 
     def was_retired(self, url: str) -> bool:
         """Whether ``url`` (an engine path) is at an engine a scale-in took out of routing."""

@@ -8,6 +8,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+THROUGH_ROUTER = "sglang-router"  # no engine id has this form (theirs are model/index)
+
 
 class RequestCounts:
     """Thread-safe counts by engine id."""
@@ -16,15 +18,14 @@ class RequestCounts:
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
         self._answered: dict[str, int] = {}
+        self.regenerated = 0  # requests lost on an engine that died (or was scaled in), sent again
 
     @contextlib.contextmanager
     def track(self, engine_id: str | None) -> Iterator[None]:
-        """Count one request to ``engine_id`` (None: through a router, not counted) while it is
-        in flight; answered once it returns (an error status is an answer, a dropped request
-        is not)."""
-        if engine_id is None:
-            yield
-            return
+        """Count one request to ``engine_id`` (None: through sglang-router, which picks the
+        engine: counted in the role's total only) while it is in flight; answered once it
+        returns (an error status is an answer, a dropped request is not)."""
+        engine_id = THROUGH_ROUTER if engine_id is None else engine_id
         with self._lock:
             self._in_flight[engine_id] = self._in_flight.get(engine_id, 0) + 1
         answered = False
@@ -35,6 +36,11 @@ class RequestCounts:
             with self._lock:
                 self._in_flight[engine_id] -= 1
                 self._answered[engine_id] = self._answered.get(engine_id, 0) + answered
+
+    def regenerating(self) -> None:
+        """One request lost with its engine goes to another: generated again from its start."""
+        with self._lock:
+            self.regenerated += 1
 
     def restart(self, engine_id: str) -> None:
         """A new server behind ``engine_id``: its answers count from 0."""

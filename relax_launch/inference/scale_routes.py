@@ -89,7 +89,7 @@ class ScaleRoutes:
                     invalid_status=422,
                     status_code=202,
                     **docs,
-                )  # fmt: skip
+                )
             )
             bound = partial(self.status, kind, role)
             docs = role_route_docs(role, f"{kind}/{{request_id}}", bound, "401", "404")
@@ -103,9 +103,13 @@ class ScaleRoutes:
         scaler = self._scaler()
         try:
             op = await asyncio.to_thread(
-                scaler.request, role, kind, body.num_replicas, model=body.model,
+                scaler.request,
+                role,
+                kind,
+                body.num_replicas,
+                model=body.model,
                 timeout_s=body.timeout_secs,
-            )  # fmt: skip
+            )
         except ScaleRefused as exc:
             raise HTTPException(exc.status, str(exc)) from None
         location = {"location": f"/{role}/{kind}/{op.request_id}"}

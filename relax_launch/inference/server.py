@@ -125,6 +125,7 @@ class SGLangServer(OwnedProcess):
             **self.extra_env,
         }
         env |= platform.disaggregation_env(self.device, self.half)
+        env |= disaggregation.server_env(self.half)
         if self.nnodes > 1:
             # where this node's TP workers are reached by the other nodes' (SGLang's message
             # queues otherwise guess it from the hostname or a route to a public DNS server)

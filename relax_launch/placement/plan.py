@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from relax_launch import __version__
+
 
 @dataclass(frozen=True)
 class RoleAssignment:
@@ -232,8 +234,6 @@ class PlacementPlan:
         The per-rank list is left out: it is derived from the fields hashed here (engines,
         trainer grid, world shape, config digest) by the same code, named by its version.
         """
-        from relax_launch import __version__
-
         summary = {k: v for k, v in vars(self).items() if k != "ranks"}
         text = json.dumps([__version__, summary], default=vars, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -253,7 +253,7 @@ def check_runnable(job: JobConfig, plan: PlacementPlan) -> None:
     shows such a plan; ``run``, ``sbatch`` and every rank refuse it before starting anything).
 
     An engine spanning nodes runs (one SGLang process per node), in ``decoupled`` placement and
-    without ``rollout.fault_tolerance``: a restart brings back one node's process, not the
+    without ``fault_tolerance`` on its role: a restart brings back one node's process, not the
     engine, and colocated phases move memory on one node's process only."""
     wide = [e for e in plan.engines if len(e.nodes) > 1]
     if not wide:
@@ -267,10 +267,12 @@ def check_runnable(job: JobConfig, plan: PlacementPlan) -> None:
             "cluster.nproc_per_node ranks (tp_size x pp_size), or use decoupled.",
             ("placement.mode", *fields),
         )
-    if job.rollout.fault_tolerance and any(e.role == "rollout" for e in wide):
+    tolerant = list(dict.fromkeys(e.role for e in wide if job.fault_tolerant(e.role)))
+    if tolerant:
+        switches = [f"{role}.fault_tolerance" for role in tolerant]
         raise ConfigError(
-            f"{named} would span nodes with rollout.fault_tolerance on: a dead node process "
-            "cannot be restarted alone; set rollout.fault_tolerance=false or fit each rollout "
-            "engine inside a node.",
-            ("rollout.fault_tolerance", *fields),
+            f"{named} would span nodes with {' and '.join(switches)} on: a dead node process "
+            f"cannot be restarted alone; set {'=false and '.join(switches)}=false or fit each "
+            "such engine inside a node.",
+            (*switches, *fields),
         )

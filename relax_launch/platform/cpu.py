@@ -103,9 +103,19 @@ def _moe_without_cuda() -> None:
 
 
 PINNING_FACTORIES = (
-    "tensor", "empty", "zeros", "ones", "full", "arange", "as_tensor", "empty_strided",
-    "empty_like", "zeros_like", "ones_like", "full_like",
-)  # fmt: skip
+    "tensor",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "as_tensor",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+)
 
 
 def pinned_memory_is_ordinary() -> None:

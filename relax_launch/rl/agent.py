@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from relax_launch.rl.calculator import calculator
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.rollout import all_or_none, weight_version_of
 from relax_launch.rl.samples import Sample
@@ -227,8 +228,6 @@ RolloutFunction = Callable[[Prompt, AgentClient], Awaitable[list[Any]]]
 def load_rollout_function(spec: str) -> RolloutFunction:
     """``builtin:calculator`` or ``package.module:function``, which must be async."""
     if spec == "builtin:calculator":
-        from relax_launch.rl.calculator import calculator
-
         return calculator
     module, _, name = spec.partition(":")
     function = getattr(importlib.import_module(module), name)

@@ -12,6 +12,14 @@ than ``k`` versions old when trained is dropped and counted (``rl.phases.drop_st
 With ``rollout.function``, each sample is a conversation (``rl/agent.py``) and each of its turns
 is interrupted and continued the same way.
 
+Under ``rollout.fault_tolerance`` an engine may die mid-generation. The segment it was
+generating (the tokens since the last interruption, which SGLang had not returned) dies with it,
+and the controller sends the same segment to another engine (``inference/inprocess.py``,
+counted in ``rollout/prompts_regenerated``): the tokens got back at earlier interruptions are
+kept, each with its version, as they are valid samples of the weights that made them. A pause
+passes over an engine that is gone (``Session.abort_rollout``); the restarted engine takes the
+next sync.
+
 On a resume from a checkpoint, the prompts in flight when it was written (at most ``(k + 1)``
 batches) are not generated again.
 """
@@ -68,6 +76,9 @@ class ContinuousRollout:
         self.wakeup: asyncio.Event | None = None  # the producer re-checks its bound
         self.producer: Any = None
         self.tokens, self.since = 0, time.monotonic()  # generated since ``throughput`` last ran
+        # seconds with a request in flight: closed spans, the open one's start (the loop's),
+        # and the total ``busy_seconds`` last read (the RL loop's)
+        self.busy, self.busy_since, self.busy_read = 0.0, None, 0.0
 
     def start(self) -> None:
         self.producer = self.engines.start_soon(self._produce())
@@ -104,6 +115,14 @@ class ContinuousRollout:
         rate = self.tokens / max(now - self.since, 1e-9)
         self.tokens, self.since = 0, now
         return rate
+
+    def busy_seconds(self) -> float:
+        """Seconds the engines had a request of this rollout in flight since the last call: the
+        engine time the step's samples took, for the rollout autoscaler."""
+        since = self.busy_since
+        total = self.busy + (time.monotonic() - since if since is not None else 0.0)
+        busy, self.busy_read = total - self.busy_read, total
+        return max(busy, 0.0)
 
     def pause(self) -> None:
         """Stop generating: nothing new starts, what runs is aborted and comes back with its
@@ -213,7 +232,7 @@ class ContinuousRollout:
             await self.running.wait()
             sampling = body["sampling_params"] | {"max_new_tokens": wanted - len(out)}
             segment = body | {"input_ids": ids + out, "sampling_params": sampling}
-            self.in_flight += 1
+            self._count_in_flight(+1)
             try:
                 reply = await client.request("/generate", segment, affinity_key=key)
             except InferenceError as error:
@@ -221,7 +240,7 @@ class ContinuousRollout:
                     continue
                 raise
             finally:
-                self.in_flight -= 1
+                self._count_in_flight(-1)
             meta, got = reply["meta_info"], list(reply["output_ids"])
             out += got
             self.tokens += len(got)
@@ -240,6 +259,15 @@ class ContinuousRollout:
         meta |= {"token_versions": versions, "weight_version": str(oldest)}
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         return {"text": text, "output_ids": out, "meta_info": meta}
+
+    def _count_in_flight(self, change: int) -> None:
+        """One request more or fewer in flight, and the busy time that opens or closes."""
+        if self.in_flight == 0:
+            self.busy_since = time.monotonic()
+        self.in_flight += change
+        if self.in_flight == 0 and self.busy_since is not None:
+            self.busy += time.monotonic() - self.busy_since
+            self.busy_since = None
 
 
 async def _called(function: Callable[[bool], None], value: bool) -> None:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_launch.rl.checkpoints import Checkpoints
-from relax_launch.rl.config import AlgorithmConfig, DataConfig
+from relax_launch.rl.config import AlgorithmConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream, prompt_ids
+from relax_launch.rl.data_config import DataConfig
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.exports import PolicyExports
 from relax_launch.rl.interfaces import Job

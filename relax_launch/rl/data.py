@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_launch.rl.config import PromptSource
+from relax_launch.rl.data_config import PromptSource
 
 WORDS = ("cat", "light", "tree", "blue", "rain", "sing", "moon", "day", "fun", "cold", "go", "red")
 

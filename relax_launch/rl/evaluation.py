@@ -10,8 +10,8 @@ from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
-from relax_launch.rl.config import DataConfig, EvalConfig
 from relax_launch.rl.data import Prompt, load_prompts, prompt_ids
+from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 

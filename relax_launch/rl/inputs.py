@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from relax_launch.config import ConfigError
 from relax_launch.rl.agent import load_rollout_function
-from relax_launch.rl.config import DataConfig, EvalConfig, RewardConfig
+from relax_launch.rl.config import RewardConfig
 from relax_launch.rl.data import Prompt, load_prompts
+from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.rl.rewards import load_function
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,6 +39,18 @@ class JobStopped(Exception):  # noqa: N818 - not an error: the job stopped on re
     def __init__(self, reason: str, step: int, total: int, checkpoint: str | None) -> None:
         super().__init__(f"stopped by {reason} after step {step}")
         self.reason, self.step, self.total, self.checkpoint = reason, step, total, checkpoint
+
+
+@dataclass
+class RolloutWork:
+    """What one rollout phase had to do, for the rollout autoscaler (``Job.rollout_phase``):
+    the requests waiting at its start; where generation overlaps training (the fully
+    asynchronous schedule) also the seconds the engines had requests in flight and the seconds
+    the trainer waited for finished groups."""
+
+    requests: int
+    busy_s: float | None = None
+    waited_s: float | None = None
 
 
 class TurnRefused(RuntimeError):
@@ -90,6 +103,7 @@ class Job(Protocol):
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]: ...
     def engine_metrics(self) -> dict[str, float]: ...
     def abort_rollout(self) -> None: ...  # abort what the rollout engines generate now
+    def rollout_phase(self, requests: int) -> AbstractContextManager[RolloutWork]: ...
     def coordinator(self, operation_timeout_s: float, log_path: Path) -> Coordinator: ...
 
 

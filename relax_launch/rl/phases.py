@@ -62,7 +62,9 @@ def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], P
     with timed(seconds, "rollout"):
         prompts = ctx.feed.draw()
         cursor = ctx.feed.position()
-        return ctx.generator(ctx.job.engines, prompts, **ctx.sampling()), cursor
+        sampling = ctx.sampling()
+        with ctx.job.rollout_phase(len(prompts) * sampling["n"]):  # the rollout autoscaler's
+            return ctx.generator(ctx.job.engines, prompts, **sampling), cursor
 
 
 def score_teacher(ctx: RLContext, samples: list[Sample], seconds: dict[str, float]) -> None:

@@ -104,12 +104,16 @@ class FullyAsync:
 
     def step(self, step: int) -> StepResult:
         ctx, stop, seconds = self.ctx, self.ctx.job.stop, {}
-        with stop.abandonable():
-            batch = ctx.collect(ctx, seconds, self.finished_groups)
-        stop.check()
-        bound = ctx.algorithm.max_staleness
-        stale = drop_stale(batch.samples, trainer_version=step, bound=bound)
-        metrics = train(ctx, batch.samples, seconds)
+        requests = ctx.data.prompts_per_step * ctx.algorithm.n_samples_per_prompt
+        self.rollout.busy_seconds()  # the rollout phase is this step's stretch before its sync
+        with ctx.job.rollout_phase(requests) as phase:
+            with stop.abandonable():
+                batch = ctx.collect(ctx, seconds, self.finished_groups)
+            stop.check()
+            bound = ctx.algorithm.max_staleness
+            stale = drop_stale(batch.samples, trainer_version=step, bound=bound)
+            metrics = train(ctx, batch.samples, seconds)
+            phase.busy_s, phase.waited_s = self.rollout.busy_seconds(), seconds["rollout"]
         if not stop.requested():
             self.rollout.pause()  # what the engines were generating continues after the sync
             synced = step

@@ -1,47 +1,105 @@
-"""Autoscaler: an elastic role's engines follow its load (``{role}.autoscale``).
+"""Autoscalers: an elastic role's engines follow its demand (``{role}.autoscale``). Each is the
+shell around a pure policy of ``runtime/autoscale_policy.py``: it reads the observations, asks
+the ``EngineScaler`` for the count the policy decides (as the API would) and logs the decision.
 
-Every ``interval_s`` on rank 0 it reads the load: the requests the role's serving engines report
-queued and running (SGLang's ``/metrics``) or, when larger, the requests the gateway and the
-controller have in flight to them. It wants ``ceil(load / target_queue_per_engine)`` engines,
-kept within ``min_engines`` and ``max_engines``. Once it has wanted more engines for
-``scale_up_window_s`` (fewer for ``scale_down_window_s``) it asks the ``EngineScaler`` for that
-many, as the API would; nothing is decided while an operation runs, nor for ``cooldown_s``
-after one ended. Each decision (with the load it saw, and the operation's id or why it was
-refused) is a line of ``autoscaler.jsonl`` in the run directory; the step metrics carry the
-count wanted and the decisions so far.
+- ``LoadAutoscaler`` (teacher, genrm): every ``interval_s``, on a daemon thread on rank 0, it
+  reads the load: the requests the role's serving engines report queued and running (SGLang's
+  ``/metrics``) or, when larger, the requests the gateway and the controller have in flight to
+  them (``LoadPolicy``).
+- ``PhaseAutoscaler`` (rollout): the RL program reports each rollout phase
+  (``Session.rollout_phase``: its requests, how long it ran, with how many engines) and the
+  decision is taken when the phase ends (``PhasePolicy``); nothing reads the load in between.
+
+Each decision (with what it saw, why, and the operation's id or why it was refused) is a line of
+``autoscaler.jsonl`` in the run directory; the step metrics carry the count wanted and the
+decisions so far.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from relax_launch.inference.config import AutoscaleConfig
+from relax_launch.inference.config import (
+    AutoscaleConfig,
+    InferenceRoleConfig,
+    RolloutAutoscaleConfig,
+)
 from relax_launch.inference.engine_load import engine_load
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
-
-
-@dataclass(frozen=True)
-class Load:
-    """One reading of a role's load."""
-
-    queued: float  # waiting in the engines
-    running: float  # being generated
-    in_flight: int  # sent by the gateway and the controller, unanswered
-
-    @property
-    def requests(self) -> float:
-        return max(self.queued + self.running, float(self.in_flight))
+from relax_launch.rl.interfaces import RolloutWork
+from relax_launch.runtime.autoscale_policy import (
+    Decision,
+    Load,
+    LoadPolicy,
+    PhasePolicy,
+    RolloutPhase,
+    Scaling,
+)
 
 
 class Autoscaler:
-    """One elastic role's autoscaler; ``start`` runs it on a daemon thread."""
+    """What every autoscaler does with a decision: ask the scaler, log it, count it."""
+
+    policy: LoadPolicy | PhasePolicy
+
+    def __init__(self, role: str, scaler: Any, manager: InferenceManager, log_path: Path) -> None:
+        self.role, self.scaler, self.manager, self.log_path = role, scaler, manager, log_path
+        self.decisions = 0
+
+    def start(self) -> None:
+        """Begin observing (a thread for the load; the phases come from the RL program)."""
+
+    def close(self) -> None:
+        """Stop observing."""
+
+    def scaling(self) -> Scaling:
+        """The scaler's view of the role, as the policies take it."""
+        role = self.role
+        busy = role in self.scaler.active
+        return Scaling(self.scaler.count(role), busy, self.scaler.ended.get(role))
+
+    def act(self, decision: Decision, current: int, seen: dict[str, Any]) -> dict[str, Any]:
+        """Ask the scaler for the decision; the line logged (also returned)."""
+        record = {
+            "time": time.time(),
+            "role": self.role,
+            "decision": decision.direction,
+            "from": current,
+            "to": decision.target,
+            "reason": decision.reason,
+            **seen,
+            **decision.evidence,
+        }
+        try:
+            op = self.scaler.request(
+                self.role, decision.direction, decision.target, source="autoscaler"
+            )
+            record["request_id"] = op.request_id
+        except ScaleRefused as exc:
+            record["refused"] = str(exc)
+        self.decisions += 1
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            log.write(json.dumps(record) + "\n")
+        return record
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"{self.role}/autoscale_decisions": float(self.decisions)}
+        if self.policy.wanted is not None:
+            out[f"{self.role}/autoscale_wanted"] = float(self.policy.wanted)
+        return out
+
+
+class LoadAutoscaler(Autoscaler):
+    """A teacher or genrm role's autoscaler; ``start`` runs it on a daemon thread."""
 
     def __init__(
         self,
@@ -52,11 +110,8 @@ class Autoscaler:
         manager: InferenceManager,
         log_path: Path,
     ) -> None:
-        self.role, self.config, self.bounds = role, config, bounds
-        self.scaler, self.manager, self.log_path = scaler, manager, log_path
-        self.wanted: int | None = None  # engines wanted at the last reading
-        self.since: tuple[str, float] | None = None  # (direction, since when it is wanted)
-        self.decisions = 0
+        super().__init__(role, scaler, manager, log_path)
+        self.config, self.policy = config, LoadPolicy(config, bounds)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"relax-autoscaler-{role}", daemon=True
@@ -85,45 +140,68 @@ class Autoscaler:
 
     def tick(self, load: Load, now: float) -> dict[str, Any] | None:
         """One reading: the decision taken (also logged), or None."""
-        low, high = self.bounds
-        target = self.config.target_queue_per_engine
-        self.wanted = min(max(math.ceil(load.requests / target), low), high)
-        current = self.scaler.count(self.role)
-        ended = self.scaler.ended.get(self.role)
-        cooling = ended is not None and now - ended < self.config.cooldown_s
-        if self.role in self.scaler.active or cooling or self.wanted == current:
-            self.since = None
+        scaling = self.scaling()
+        decision = self.policy.decide(load, scaling, now)
+        if decision is None:
             return None
-        direction = "scale_out" if self.wanted > current else "scale_in"
-        if self.since is None or self.since[0] != direction:
-            self.since = (direction, now)
-        window = self.config.scale_up_window_s if direction == "scale_out" else (
-            self.config.scale_down_window_s
-        )  # fmt: skip
-        if now - self.since[1] < window:
-            return None
-        self.since = None
-        decision = {
-            "time": time.time(),
-            "role": self.role,
-            "decision": direction,
-            "from": current,
-            "to": self.wanted,
-            "load": asdict(load),
-        }
-        try:
-            op = self.scaler.request(self.role, direction, self.wanted, source="autoscaler")
-            decision["request_id"] = op.request_id
-        except ScaleRefused as exc:
-            decision["refused"] = str(exc)
-        self.decisions += 1
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("a") as log:
-            log.write(json.dumps(decision) + "\n")
-        return decision
+        return self.act(decision, scaling.engines, {"load": asdict(load)})
 
-    def metrics(self) -> dict[str, float]:
-        out = {f"{self.role}/autoscale_decisions": float(self.decisions)}
-        if self.wanted is not None:
-            out[f"{self.role}/autoscale_wanted"] = float(self.wanted)
-        return out
+
+class PhaseAutoscaler(Autoscaler):
+    """The rollout role's autoscaler: fed by ``phase`` around each rollout phase."""
+
+    def __init__(
+        self,
+        role: str,
+        config: RolloutAutoscaleConfig,
+        bounds: tuple[int, int],
+        scaler: Any,
+        manager: InferenceManager,
+        log_path: Path,
+    ) -> None:
+        super().__init__(role, scaler, manager, log_path)
+        self.policy = PhasePolicy(config, bounds)
+        self._lock = threading.Lock()  # the one-step off-policy rollout runs on its own thread
+
+    @contextmanager
+    def phase(self, requests: int) -> Iterator[RolloutWork]:
+        """Around one rollout phase of ``requests``, decided at its end; a phase that fails or
+        is abandoned for a stop decides nothing."""
+        work = RolloutWork(requests)
+        started, engines = time.monotonic(), self._serving()
+        yield work
+        ended, after = time.monotonic(), self._serving()
+        phase = RolloutPhase(
+            started,
+            ended,
+            engines if engines == after else None,
+            work.requests,
+            work.busy_s,
+            work.waited_s,
+        )
+        self.observe(phase)
+
+    def observe(self, phase: RolloutPhase) -> dict[str, Any] | None:
+        """One finished phase: the decision taken (also logged), or None."""
+        with self._lock:
+            scaling = self.scaling()
+            decision = self.policy.decide(phase, scaling)
+            if decision is None:
+                return None
+            return self.act(decision, scaling.engines, {"policy": "rollout_phase"})
+
+    def _serving(self) -> int:
+        return len(self.manager.serving())
+
+
+def autoscaler_for(
+    role: str,
+    section: InferenceRoleConfig,
+    scaler: Any,
+    manager: InferenceManager,
+    log_path: Path,
+) -> Autoscaler:
+    """The role's autoscaler: by rollout phases for the rollout role, by load for the others
+    (``runtime/autoscale_policy.py`` says why)."""
+    kind = PhaseAutoscaler if role == "rollout" else LoadAutoscaler
+    return kind(role, section.autoscale, section.autoscale_bounds, scaler, manager, log_path)

@@ -10,12 +10,17 @@ first batch asks for them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.placement.plan import PlacementPlan
 from relax_launch.runtime.lifecycle import TRAINER, LifecycleCoordinator
-from relax_launch.runtime.session import Session
+from relax_launch.runtime.trainer_client import TrainerClient
 from relax_launch.trainer.offload import PARTS
+
+if TYPE_CHECKING:
+    from relax_launch.inference.control_plane import ControlPlane
 
 # An engine's parts and the SGLang memory tags behind each (graphs go with the KV cache).
 ENGINE_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
@@ -24,10 +29,14 @@ SYNC_WINDOW = ((TRAINER, "params"), ("rollout", "weights"))
 
 
 def build_coordinator(
-    session: Session, operation_timeout_s: float, log_path: Path
+    plan: PlacementPlan,
+    trainer: TrainerClient,
+    control_plane: ControlPlane | None,
+    operation_timeout_s: float,
+    log_path: Path,
 ) -> LifecycleCoordinator:
-    """Register the trainer and every inference role; offload the engines (confirmed)."""
-    plan = session.plan
+    """Register the trainer and every inference role of ``plan``; offload the engines
+    (confirmed)."""
     coordinator = LifecycleCoordinator(
         operation_timeout_s=operation_timeout_s, co_resident=SYNC_WINDOW, log_path=log_path
     )
@@ -35,12 +44,12 @@ def build_coordinator(
         TRAINER,
         ranks=plan.trainer.ranks,
         parts=PARTS,
-        onload=session.trainer.onload,
-        offload=session.trainer.offload,
+        onload=trainer.onload,
+        offload=trainer.offload,
         inference=False,
         resident=PARTS,
     )
-    managers = session.control_plane.managers if session.control_plane else {}
+    managers = control_plane.managers if control_plane else {}
     for role, manager in managers.items():
         moves = EngineMoves(manager)
         coordinator.register(
@@ -53,8 +62,8 @@ def build_coordinator(
         )
     for role in managers:
         coordinator.deactivate(role)
-    if session.control_plane is not None:
-        session.control_plane.coordinated_by(coordinator.state)
+    if control_plane is not None:
+        control_plane.coordinated_by(coordinator.state)
     return coordinator
 
 

@@ -95,8 +95,13 @@ def join_spanning_engines(
         workers.append(engine_worker(job, plan, rank, engine, node_rank, rendezvous))
         workers[-1].launch()
         clock.mark(f"{engine.role} engine {engine.index} node {node_rank} launched")
-        log.info("%s engine %s: node %d process meets at %s", engine.role, engine.index,
-                 node_rank, rendezvous)  # fmt: skip
+        log.info(
+            "%s engine %s: node %d process meets at %s",
+            engine.role,
+            engine.index,
+            node_rank,
+            rendezvous,
+        )
 
 
 def engine_worker(

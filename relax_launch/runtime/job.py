@@ -21,9 +21,7 @@ from relax_launch.console import operator_log
 from relax_launch.models.build import ensure_model
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
-from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.interfaces import JobStopped
-from relax_launch.run_dir import LAUNCHER_ENV, resume_command, write_end_record
 from relax_launch.runtime.control import ControlChannel
 from relax_launch.runtime.distributed import (
     ShardChannel,
@@ -39,6 +37,12 @@ from relax_launch.runtime.engines import (
     policy_adapter,
 )
 from relax_launch.runtime.groups import build_trainer_groups
+from relax_launch.runtime.job_end import (
+    end_completed,
+    end_in_failure,
+    end_stopped,
+    end_stopped_after_steps,
+)
 from relax_launch.runtime.network import configure_network, node_address
 from relax_launch.runtime.rank_output import route_rank_output
 from relax_launch.runtime.session import Session
@@ -49,6 +53,7 @@ from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
 from relax_launch.runtime.weight_sync import AdapterServing
 from relax_launch.runtime.workers import TrainerWorker
 from relax_launch.trainer.lora import peft_config
+from relax_launch.trainer.trainer import Trainer
 
 if TYPE_CHECKING:
     from relax_launch.inference.control_plane import ControlPlane
@@ -90,8 +95,6 @@ def trainer_worker(
     job: JobConfig, plan: PlacementPlan, rank: int, pgc: Any, shards: ShardChannel
 ) -> Any:
     """This rank's share of the Megatron trainer, built from the policy's HF checkpoint."""
-    from relax_launch.trainer.trainer import Trainer  # Megatron: trainer ranks only
-
     device = job.cluster.device
     platform.use_threads(device, cpu_threads(job, plan, rank, "trainer"))
     trainer = Trainer(
@@ -128,6 +131,7 @@ def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | N
         admin_token=os.environ.get(job.gateway.admin_token_env) or None,
         log_dir=job.log_dir,
         request_timeout_s=job.request_timeout_s(),  # auto: sized by the step's batch
+        restart_wait_s=job.cluster.startup_timeout_s,  # a restart's own bound (fault_tolerance)
     )
 
 
@@ -158,7 +162,7 @@ def start_watchdog(
     )
     for engine in workers:
         restarts = None
-        if engine.engine.role == "rollout" and job.rollout.fault_tolerance:
+        if job.fault_tolerant(engine.engine.role):  # its head restarts it; rank 0 routes
             restarts = EngineRestarts(store, engine, job.cluster.startup_timeout_s)
         watchdog.watch_engine(engine.engine.label, lambda engine=engine: engine.process, restarts)
         watchdog.closers.append(engine.close)
@@ -170,28 +174,6 @@ def start_watchdog(
     stop.failure = watchdog.recorded_abort
     stop.graceful = True
     return watchdog
-
-
-def end_in_failure(job: JobConfig, reason: str) -> None:
-    """Rank 0: write why the job ends into the run's end record, and tell the operator, unless
-    ``relax-launch run`` does (last, below the log that says why)."""
-    write_end_record(job.log_dir, "failed", reason)
-    if not os.environ.get(LAUNCHER_ENV):  # the rank's log has the reason already
-        operator_log().error(f"relax-launch: job failed: {reason}")
-
-
-def end_stopped(job: JobConfig, reason: str) -> None:
-    """Rank 0, stopped before its first step: nothing new to save; a resumed run's checkpoint
-    still resumes."""
-    found = Checkpoints(job.checkpoint_dir, job.checkpoint.keep_last).newest()
-    step, checkpoint = found if found is not None and job.checkpoint.resume else (0, None)
-    resume = resume_command() if checkpoint else None
-    write_end_record(
-        job.log_dir, "stopped", reason, step=step, checkpoint=str(checkpoint or "") or None,
-        resume=resume,
-    )  # fmt: skip
-    then = f"resume with: {resume}" if resume else "nothing to resume: run it again"
-    operator_log().warning(f"relax-launch: {reason}; {then}")
 
 
 def report_failure(
@@ -291,26 +273,8 @@ def run_controller(
         shut_down(session, watchdog)
         raise
     shut_down(session, watchdog)
-    write_end_record(job.log_dir, "completed", "every step ran")
+    end_completed(job)
     return result
-
-
-def end_stopped_after_steps(job: JobConfig, stopped: JobStopped) -> None:
-    """Rank 0, the program stopped on request: the end record and the operator's last line,
-    with the command that resumes from the checkpoint it left."""
-    resume = resume_command() if stopped.checkpoint else None
-    write_end_record(
-        job.log_dir, "stopped", stopped.reason, step=stopped.step,
-        checkpoint=stopped.checkpoint, resume=resume,
-    )  # fmt: skip
-    if stopped.checkpoint:
-        where = f"checkpoint {stopped.checkpoint}; resume with: {resume}"
-    else:
-        where = "no step finished, nothing to resume: run it again"
-    operator_log().warning(
-        f"relax-launch: stopped by {stopped.reason} after step {stopped.step} of "
-        f"{stopped.total}; {where}"
-    )
 
 
 def shut_down(session: Session, watchdog: JobWatchdog) -> None:

@@ -24,70 +24,27 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from relax_launch.deadline import Deadline
-from relax_launch.rl.interfaces import TurnRefused
+from relax_launch.runtime.leases import (
+    BATCH_HISTORY,
+    OPERATION_HISTORY,
+    BatchFailed,
+    BatchRecord,
+    Lease,
+    LeaseError,
+    Member,
+    Operation,
+    OperationRecord,
+    trim_history,
+)
 
-# What one onload/offload returns: e.g. {"bytes": moved}; None counts as nothing reported.
-Operation = Callable[[tuple[str, ...]], "dict[str, float] | None"]
 TRAINER = "trainer"
-BATCH_HISTORY, OPERATION_HISTORY = 1024, 8192
-
-
-class Lease(StrEnum):
-    SLEEPING = "sleeping"  # holds nothing
-    ONLOADING = "onloading"
-    ACTIVE = "active"  # holds some or all of its parts
-    DRAINING = "draining"
-    BLOCKED = "blocked"  # an operation's outcome is unknown: keeps its ranks until cleaned up
-
-
-class LeaseError(TurnRefused):
-    """A grant, commit or registration was refused; nothing changed."""
-
-
-class BatchFailed(RuntimeError):
-    """The batch was failed (a phase's error or a blocked lease); it is never committed."""
-
-
-@dataclass
-class Member:
-    role: str
-    ranks: frozenset[int]
-    parts: tuple[str, ...]
-    onload: Operation
-    offload: Operation
-    inference: bool
-    resident: set[str] = field(default_factory=set)
-    lease: Lease = Lease.SLEEPING
-
-    def describe(self) -> str:
-        ranks = ",".join(map(str, sorted(self.ranks)))
-        return f"{self.role} (rank{'s' * (len(self.ranks) > 1)} {ranks})"
-
-
-@dataclass
-class BatchRecord:
-    batch: int
-    state: str = "pending"  # pending -> committed | failed
-    error: str = ""
-
-
-@dataclass
-class OperationRecord:
-    fingerprint: tuple[Any, ...]
-    future: Future
-    changes: tuple[str, ...]  # the parts it onloads, or offloads
-    began: float
-    deadline: Deadline  # of the answer: operation_timeout_s from the start
-    outcome: dict[str, float] | LeaseError | None = None  # decided once
 
 
 class LifecycleCoordinator:
@@ -136,10 +93,8 @@ class LifecycleCoordinator:
             if known is not None:
                 raise LeaseError(f"{role} is registered already with other ranks or parts")
             held = set(resident)
-            self.members[role] = Member(
-                role, ranks, parts, onload, offload, inference, held,
-                Lease.ACTIVE if held else Lease.SLEEPING,
-            )  # fmt: skip
+            lease = Lease.ACTIVE if held else Lease.SLEEPING
+            self.members[role] = Member(role, ranks, parts, onload, offload, inference, held, lease)
 
     def holding(self) -> list[str]:
         """The inference roles that hold memory on their ranks (or may: not asleep), in the
@@ -307,7 +262,7 @@ class LifecycleCoordinator:
                 raise LeaseError(f"cannot begin batch {batch}: {', '.join(blocked)} BLOCKED")
             self.pending = batch
             self.batches[batch] = BatchRecord(batch)
-            _trim(self.batches, BATCH_HISTORY)
+            trim_history(self.batches, BATCH_HISTORY)
             self._log("begin", None, (), batch=batch)
 
     def commit_batch(self, batch: int) -> None:
@@ -373,7 +328,7 @@ class LifecycleCoordinator:
 
     def _remember(self, operation_id: str, record: OperationRecord) -> None:
         self.operations[operation_id] = record
-        _trim(self.operations, OPERATION_HISTORY)
+        trim_history(self.operations, OPERATION_HISTORY)
 
     def _log(self, event: str, member: Member | None, parts: Iterable[str], **extra: Any) -> None:
         entry = {
@@ -392,8 +347,3 @@ class LifecycleCoordinator:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _trim(history: OrderedDict, bound: int) -> None:
-    while len(history) > bound:
-        history.popitem(last=False)

@@ -30,15 +30,15 @@ from typing import Any
 
 from relax_launch.console import operator_log
 from relax_launch.deadline import Deadline
-from relax_launch.inference.discovery import State
 from relax_launch.inference.engine import EngineHandle, get_json
 from relax_launch.inference.engine_load import engine_load
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command
+from relax_launch.runtime.rank_commands import StartEngine, StopEngine
+from relax_launch.runtime.scale_admission import check_request, check_target
 from relax_launch.runtime.scale_records import Replica, ScaleOperation, state_of
-from relax_launch.runtime.workers import StartEngine, StopEngine
 
 HISTORY = 256  # operations kept for their status routes
 STOP_TIMEOUT_S = 60.0
@@ -196,41 +196,9 @@ class EngineScaler:
             raise ScaleRefused(409, f"{kind} refused: the job is stopping")
         if role not in self.roles:
             raise ScaleRefused(400, f"{role} has no reserved engines: set {role}.max_engines")
-        manager = self.managers[role]
-        if model is not None and model not in {manager.model_id, *manager.routing.aliases}:
-            raise ScaleRefused(400, f"{role} serves no model {model!r}; known: {manager.model_id}")
-        if timeout_s is not None and not timeout_s > 0:
-            raise ScaleRefused(400, f"timeout_secs must be above 0, not {timeout_s}")
         active = self.active.get(role)
-        if active is not None:
-            same = " (the same target)" if (active.kind, active.target) == (kind, target) else ""
-            raise ScaleRefused(
-                409,
-                f"{active.kind} to {active.target} engines of {role} is in flight{same} "
-                f"(request {active.request_id}); wait for it to end",
-            )
-        if manager.state is State.FAILED:
-            raise ScaleRefused(
-                409, f"{role} is FAILED (a lifecycle operation failed); onload it first"
-            )
-        if manager.state is not State.READY:
-            state = manager.state.value
-            raise ScaleRefused(409, f"{role} is {state}, not serving yet; retry later")
-        planned, most = self.bounds(role)
-        now = self.count(role)
-        if not planned <= target <= most:
-            raise ScaleRefused(
-                400, f"num_replicas={target} is outside {planned} (the planned engines) to "
-                f"{most} ({role}.max_engines)",
-            )  # fmt: skip
-        if target == now:
-            raise ScaleRefused(409, f"{role} has {now} engines already (num_replicas={target})")
-        if (target < now) == (kind == "scale_out"):
-            other = "scale_in" if kind == "scale_out" else "scale_out"
-            raise ScaleRefused(
-                400, f"{role} has {now} engines: {kind} to {target} goes the wrong way; use "
-                f"{other}",
-            )  # fmt: skip
+        check_request(role, self.managers[role], kind, target, model, timeout_s, active)
+        check_target(role, kind, target, self.count(role), self.bounds(role))
 
     def _picks(self, role: str, kind: str, target: int) -> list[EnginePlan]:
         """The reserved engines to start (lowest first), or the scaled-out ones to stop
@@ -312,10 +280,10 @@ class EngineScaler:
             replica.seconds = time.monotonic() - began
             return None
         replica.url, replica.seconds = url, time.monotonic() - began
+        static = engine.role != "rollout"
         return EngineHandle(
-            replica.engine_id, url, role=engine.role, static=engine.role != "rollout",
-            index=engine.index,
-        )  # fmt: skip
+            replica.engine_id, url, role=engine.role, static=static, index=engine.index
+        )
 
     def _wait_routed(
         self,

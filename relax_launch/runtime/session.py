@@ -5,6 +5,7 @@ that own the work (``TrainerClient`` for the trainer's, ``WeightSync`` for the w
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,12 +14,16 @@ from rich.console import Console
 from relax_launch.console import operator_log
 from relax_launch.inference.config import InferenceRoleConfig
 from relax_launch.inference.disaggregation import EngineHalf
+from relax_launch.inference.engine import EngineUnreachable
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
-from relax_launch.runtime.autoscaler import Autoscaler
+from relax_launch.rl.interfaces import RolloutWork
+from relax_launch.runtime.autoscaler import Autoscaler, PhaseAutoscaler, autoscaler_for
+from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.control import Command, ControlChannel, Handler, Shutdown
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
+from relax_launch.runtime.rank_commands import EngineUrl
 from relax_launch.runtime.scaling import EngineScaler
 from relax_launch.runtime.startup import (
     FIRST_SYNC,
@@ -29,10 +34,10 @@ from relax_launch.runtime.startup import (
     summary_line,
     write_report,
 )
+from relax_launch.runtime.static_membership import StaticMembership
 from relax_launch.runtime.stop import StopRequest
 from relax_launch.runtime.trainer_client import TrainerClient
 from relax_launch.runtime.weight_sync import AdapterServing, WeightSync
-from relax_launch.runtime.workers import EngineUrl
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
 
@@ -78,6 +83,8 @@ class Session:
             adapters,
         )
         self.scaler, self.autoscalers = self._elastic(autoscale or {})
+        managers = control_plane.managers if control_plane else {}
+        self.static_roles = StaticMembership.started(channel.store, managers)  # fault_tolerance
 
     def _elastic(
         self, autoscale: dict[str, InferenceRoleConfig]
@@ -96,15 +103,9 @@ class Session:
             log_dir=plane.log_dir,
         )
         plane.scaled_by(scaler)
+        log = plane.log_dir / "autoscaler.jsonl"
         autoscalers = [
-            Autoscaler(
-                role,
-                section.autoscale,
-                section.autoscale_bounds,
-                scaler,
-                plane.managers[role],
-                plane.log_dir / "autoscaler.jsonl",
-            )  # fmt: skip
+            autoscaler_for(role, section, scaler, plane.managers[role], log)
             for role, section in autoscale.items()
         ]
         for autoscaler in autoscalers:
@@ -164,24 +165,42 @@ class Session:
         return self.weights.sync(weight_version)
 
     def engine_metrics(self) -> dict[str, float]:
-        """Rollout membership, elastic roles' engines and autoscaler decisions."""
+        """Rollout membership, elastic roles' engines and autoscaler decisions, and the
+        engines of fault-tolerant teacher and genrm roles."""
         metrics = self.weights.metrics()
+        if self.static_roles is not None:
+            metrics |= self.static_roles.metrics()
         if self.scaler is not None:
             metrics |= self.scaler.metrics()
         for autoscaler in self.autoscalers:
             metrics |= autoscaler.metrics()
         return metrics
 
+    def rollout_phase(self, requests: int) -> AbstractContextManager[RolloutWork]:
+        """Around one rollout phase: the rollout autoscaler decides when it ends."""
+        for autoscaler in self.autoscalers:
+            if isinstance(autoscaler, PhaseAutoscaler):
+                return autoscaler.phase(requests)
+        return nullcontext(RolloutWork(requests))
+
     def abort_rollout(self) -> None:
-        """Abort what the rollout engines generate now (each returns its tokens so far)."""
-        for engine in self.control_plane.managers["rollout"].engines:
-            engine.call("abort_request", {"abort_all": True})
+        """Abort what the rollout engines generate now (each returns its tokens so far). Under
+        ``rollout.fault_tolerance`` an engine that cannot be reached is passed over: it died
+        (or is starting again), and what it was generating is sent elsewhere by the controller."""
+        manager = self.control_plane.managers["rollout"]
+        for engine in manager.engines:
+            if engine.engine_id in manager.lost:  # its requests were sent elsewhere already
+                continue
+            try:
+                engine.call("abort_request", {"abort_all": True})
+            except EngineUnreachable:
+                if not manager.fault_tolerant:
+                    raise
 
     def coordinator(self, operation_timeout_s: float, log_path: Path) -> LifecycleCoordinator:
         """The coordinator the roles of a colocated job take turns under (``colocation.py``)."""
-        from relax_launch.runtime.colocation import build_coordinator
-
-        return build_coordinator(self, operation_timeout_s, log_path)
+        plane = self.control_plane
+        return build_coordinator(self.plan, self.trainer, plane, operation_timeout_s, log_path)
 
     def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]:
         return self.trainer.train_step(batch, spec)
@@ -204,6 +223,8 @@ class Session:
         return startup_report(marks, {r.rank: roles_label(self.plan, r) for r in self.plan.ranks})
 
     def shutdown(self) -> None:
+        if self.static_roles is not None:
+            self.static_roles.close()
         for autoscaler in self.autoscalers:
             autoscaler.close()
         if self.scaler is not None:  # a scale operation's rank is busy until it ends

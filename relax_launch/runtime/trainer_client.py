@@ -11,7 +11,7 @@ from typing import Any
 from relax_launch.placement.plan import TrainerLayout
 from relax_launch.runtime.control import Command, ControlChannel, Handler
 from relax_launch.runtime.distributed import ShardChannel
-from relax_launch.runtime.workers import (
+from relax_launch.runtime.rank_commands import (
     ExportTrainer,
     LoadTrainer,
     Logprobs,

@@ -200,6 +200,8 @@ class JobWatchdog:
             if restarts is not None and restarts.failure:
                 return restarts.failure
             if restarts is not None and restarts.pending:  # it is starting again
+                if refused := restarts.proceed():  # a held launch, once its hold is over
+                    return refused
                 continue
             server = process()  # None: not meant to run (reserved, or scaled in)
             code = server.poll() if server is not None else None

@@ -35,7 +35,8 @@ from relax_launch.placement.plan import (
 )
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command, RemoteError
 from relax_launch.runtime.engine_restart import PROBE_S, RolloutMembership, engine_alive
-from relax_launch.runtime.workers import ConnectWeights, ExportAdapter, SendWeights
+from relax_launch.runtime.rank_commands import ConnectWeights, ExportAdapter, SendWeights
+from relax_launch.runtime.router_restarts import RouterRestarts
 from relax_launch.weights.adapter_sync import (
     load_everywhere,
     publish,
@@ -81,6 +82,7 @@ class WeightSync:
         self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
         self.membership: RolloutMembership | None = None  # rollout.fault_tolerance only
+        self.router_restarts: RouterRestarts | None = None  # the same, behind sglang-router
         self._sync_groups = 0  # broadcast groups formed so far (each one is named anew)
         # held by a sync from start to commit: a scale-in stops no rollout engine meanwhile
         self.lock = threading.Lock()
@@ -120,6 +122,7 @@ class WeightSync:
         changing = manager is not None and (manager.fault_tolerant or manager.elastic)
         if self.membership is None and changing:
             self.membership = RolloutMembership(self.store, manager)
+            self.router_restarts = RouterRestarts.started(self.store, manager)
         if self.membership is not None:
             self.membership.synced = members
 
@@ -317,6 +320,8 @@ class WeightSync:
         return replies
 
     def close(self) -> None:
+        if self.router_restarts is not None:
+            self.router_restarts.close()
         self.engine_control.close()
 
 

@@ -9,7 +9,7 @@ also the rest of the stage: no rank gathers every expert.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ from relax_launch.trainer.lora import COLUMN, SPLIT, is_adapter, merged, peft_te
 from relax_launch.trainer.model_shape import ModelShape
 
 GATHERS_IN_FLIGHT = 2  # TP gathers of the export started ahead of the tensor being sent
+
+Gathered = Callable[[], torch.Tensor]  # a TP gather in flight: call it for the whole tensor
 
 
 class HFExport:
@@ -46,9 +48,9 @@ class HFExport:
         """
         if not self.exports:
             return
-        gathering: deque[tuple[str, Any]] = deque()  # TP gathers in flight, in order
+        gathering: deque[tuple[str, Gathered]] = deque()  # TP gathers in flight, in order
         for name, local in self._local(changed_only):
-            gathering.append((name, self._start_gather(name, local)))
+            gathering.append((name, self._start_gather(local, tp_split_dim(name))))
             if len(gathering) > GATHERS_IN_FLIGHT:  # the next ones gather while it is sent
                 yield from self._converted(*gathering.popleft(), fused)
         while gathering:
@@ -95,20 +97,11 @@ class HFExport:
         offset = stage_layers(self.shape, self.pgc.pp.rank(), self.pgc.pp.size()).start
         for name, linear in self.lora.items():
             column = SPLIT[name.rsplit(".", 2)[-2]] == COLUMN
-            a = self._whole(linear.lora_a.detach(), None if column else 1)
-            b = self._whole(linear.lora_b.detach(), 0 if column else None)
+            a = self._start_gather(linear.lora_a.detach(), None if column else 1)()
+            b = self._start_gather(linear.lora_b.detach(), 0 if column else None)()
             if self.pgc.tp.rank() == 0:
                 linear_name = name.removesuffix(".weight")
                 yield from peft_tensors(linear_name, a, b, self.shape, self.pgc.tp.size(), offset)
-
-    def _whole(self, local: torch.Tensor, dim: int | None) -> torch.Tensor:
-        """``local`` joined over the TP ranks along ``dim`` (None: it is whole already)."""
-        tp = self.pgc.tp
-        if dim is None or tp.size() == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(tp.size())]
-        dist.all_gather(parts, local.contiguous(), group=tp)
-        return torch.cat(parts, dim=dim)
 
     def _params(self, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights the export covers: not the adapters themselves, with ``changed_only``
@@ -131,26 +124,28 @@ class HFExport:
                 a, b = linear.lora_a.detach(), linear.lora_b.detach()
                 yield name, merged(param.detach(), a, b, linear.lora_adapter.scale)
 
-    def _start_gather(self, name: str, local: torch.Tensor) -> Any:
-        """An asynchronous all-gather of a TP-sharded parameter (its shards and the pending
-        work), or the parameter itself when it is not sharded."""
-        tp, dim = self.pgc.tp, tp_split_dim(name)
+    def _start_gather(self, local: torch.Tensor, dim: int | None) -> Gathered:
+        """Start joining ``local`` over the TP ranks along ``dim`` (an asynchronous all-gather;
+        None: it is whole already); calling the result waits for the whole tensor. Every TP
+        rank must start the same gathers in the same order."""
+        tp = self.pgc.tp
         if dim is None or tp.size() == 1:
-            return local
+            return lambda: local
         parts = [torch.empty_like(local) for _ in range(tp.size())]
-        return parts, dim, dist.all_gather(parts, local.contiguous(), group=tp, async_op=True)
+        work = dist.all_gather(parts, local.contiguous(), group=tp, async_op=True)
+
+        def whole() -> torch.Tensor:
+            work.wait()
+            return torch.cat(parts, dim=dim)
+
+        return whole
 
     def _converted(
-        self, name: str, gathered: Any, fused: bool
+        self, name: str, gathered: Gathered, fused: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameter ``name`` in HF layout, once its gather is done (on TP rank 0 only)."""
-        tp = self.pgc.tp
-        full = gathered
-        if isinstance(gathered, tuple):
-            parts, dim, work = gathered
-            work.wait()
-            full = torch.cat(parts, dim=dim)
-        if tp.rank() == 0:
+        full = gathered()
+        if self.pgc.tp.rank() == 0:
             yield from megatron_to_hf(
-                name, full, self.shape, tp_size=tp.size(), fused=fused, **self._offsets
+                name, full, self.shape, tp_size=self.pgc.tp.size(), fused=fused, **self._offsets
             )

@@ -275,22 +275,49 @@ def load_hf_checkpoint(module: Any, model_dir: Path, shape: ModelShape, pgc: Any
             params[name].copy_(tensor.to(params[name].dtype))
 
 
-@contextlib.contextmanager
-def _world_is(group: Any) -> Iterator[None]:
-    """Make group=None mean the trainer group while Megatron's optimizer factory runs.
+class WorldOfGroup:
+    """``torch.distributed`` with ``group=None`` meaning ``group`` for the two calls Megatron's
+    optimizer factory makes without a group; everything else is torch's own."""
 
-    ``get_megatron_optimizer`` sizes and gathers its parameter groups over the default world,
-    which would wait on inference ranks forever.
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def get_world_size(self, group: Any = None) -> int:
+        return dist.get_world_size(self.group if group is None else group)
+
+    def all_gather_object(self, out: list, obj: Any, group: Any = None) -> None:
+        dist.all_gather_object(out, obj, group=self.group if group is None else group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+
+class TorchOfGroup:
+    """``torch`` as one module sees it while its ``distributed`` is ``WorldOfGroup``."""
+
+    def __init__(self, group: Any) -> None:
+        self.distributed = WorldOfGroup(group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def optimizer_factory_world(group: Any) -> Iterator[None]:
+    """While it is open, Megatron's optimizer factory (``megatron.core.optimizer``, and only
+    that module) gathers its parameter groups over ``group``, the trainer's ranks.
+
+    Megatron 0.16's ``_get_param_groups`` sizes and gathers them over the default world, which
+    spans the inference ranks too: it would wait on them forever. The rest of the process, its
+    other threads included, keeps torch's own ``torch.distributed``.
     """
-    world_size, gather = dist.get_world_size, dist.all_gather_object
-    dist.get_world_size = lambda group_=None: world_size(group if group_ is None else group_)
-    dist.all_gather_object = lambda out, obj, group_=None: gather(
-        out, obj, group=group if group_ is None else group_
-    )
+    import megatron.core.optimizer as factory
+
+    real, factory.torch = factory.torch, TorchOfGroup(group)
     try:
         yield
     finally:
-        dist.get_world_size, dist.all_gather_object = world_size, gather
+        factory.torch = real
 
 
 def build_optimizer(model: Any, section: TrainerConfig, pgc: Any) -> Any:
@@ -308,7 +335,7 @@ def build_optimizer(model: Any, section: TrainerConfig, pgc: Any) -> Any:
     )
     if section.optimizer_offload:
         offload_optimizer(config)
-    with _world_is(pgc.trainer):
+    with optimizer_factory_world(pgc.trainer):
         return get_megatron_optimizer(
             config, [model], use_gloo_process_groups=False, pg_collection=pgc
         )

@@ -4,13 +4,21 @@ sender (rank 0, hosting its store) and the engine workers that join it over HTTP
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # not imported at run time: the engines' receiver plugin imports this module
+    import torch.distributed as dist
 
 
 def group_store(group: dist.ProcessGroup) -> dist.Store:
-    """The store a process group was formed through (hosted by its rank 0: the sender)."""
-    return dist.distributed_c10d._world.pg_map[group][1]
+    """The store a process group was formed through (hosted by its rank 0: the sender).
+
+    Read from torch's own record of its groups: the public ``ProcessGroup.get_group_store()``
+    returns None in an SGLang scheduler for the group its weight updater formed (torch 2.13;
+    ``tests/weights/test_sync_engine.py`` fails with it), though it works in a plain process."""
+    from torch.distributed import distributed_c10d  # the engines' plugin imports this module
+
+    return distributed_c10d._world.pg_map[group][1]
 
 
 def custom_group(

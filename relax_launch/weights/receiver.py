@@ -45,6 +45,7 @@ from typing import Any
 from relax_launch import platform
 from relax_launch.inference import policy_adapter
 from relax_launch.weights import pipeline_stages
+from relax_launch.weights.broadcast_group import group_store
 from relax_launch.weights.collective_wait import wait_for
 from relax_launch.weights.staging import ALIGN as STAGING_ALIGN
 from relax_launch.weights.staging import NAME as STAGING
@@ -183,8 +184,6 @@ def wait_unless_aborted(work: Any, group: Any) -> None:
     aborts an NCCL group) until the sender gives up the sync (it sets ``ABORT_KEY`` in the
     group's store, or is gone with it): then raise, so this engine is free again. No deadline
     of its own: the group's timeout (the sync's) ends a receive whose sender is stuck."""
-    from relax_launch.weights.broadcast_group import group_store
-
     store = group_store(group)
 
     def sender_still_sending() -> None:

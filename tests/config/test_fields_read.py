@@ -29,6 +29,11 @@ ROLE_READERS = (
     "runtime/session.py",
     "config/rules.py",
 )
+AUTOSCALE_READERS = (
+    "runtime/autoscaler.py",
+    "runtime/autoscale_policy.py",
+    "inference/config.py",
+)
 # section path -> its readers (a path ending in / is a package); the longest prefix of a
 # field's path chooses its readers
 READERS: dict[str, tuple[str, ...]] = {
@@ -76,9 +81,9 @@ READERS: dict[str, tuple[str, ...]] = {
         "runtime/engines.py",
         "runtime/workers.py",
     ),
-    "rollout.autoscale": ("runtime/autoscaler.py", "inference/config.py"),
-    "teacher.autoscale": ("runtime/autoscaler.py", "inference/config.py"),
-    "genrm.autoscale": ("runtime/autoscaler.py", "inference/config.py"),
+    "rollout.autoscale": AUTOSCALE_READERS,
+    "teacher.autoscale": AUTOSCALE_READERS,
+    "genrm.autoscale": AUTOSCALE_READERS,
     "logging": ("rl/program.py", "rl/report.py", "runtime/job.py", "runtime/engines.py"),
     "logging.wandb": ("rl/report.py",),
 }

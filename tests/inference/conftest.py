@@ -13,7 +13,8 @@ from fake_upstream import FakeUpstream
 from relax_launch.inference.config import GatewayConfig
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle, get_json, post
-from relax_launch.inference.gateway import InferenceGateway, Renderer
+from relax_launch.inference.gateway import InferenceGateway
+from relax_launch.inference.generation_routes import Renderer
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.serve import GatewayServer
 

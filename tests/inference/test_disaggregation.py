@@ -20,6 +20,7 @@ from relax_launch.inference.client import InferenceClient
 from relax_launch.inference.disaggregation import with_input_logprobs
 from relax_launch.inference.discovery import State
 from relax_launch.inference.engine import EngineHandle
+from relax_launch.inference.inprocess import EngineClients
 from relax_launch.inference.process import free_port
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.routing import ModelUnavailable, RouteResolver
@@ -115,6 +116,39 @@ def test_an_unreachable_prefill_half_is_a_502_naming_it(upstream):
     while upstream.disconnects == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert upstream.disconnects == 1  # the decode half's stream was closed, not left open
+
+
+def test_a_gone_prefill_half_takes_its_pair_out_and_the_request_goes_to_another(halves):
+    """rollout.fault_tolerance with two pairs: a request whose prefill half refuses it (its
+    server is gone) takes that prefill engine out of routing, not its live decode engine, and
+    is generated again by the other pair, counted as regenerated."""
+    decode, prefill = halves
+    gone = f"http://127.0.0.1:{free_port()}"
+    manager = make_manager("rollout", [], ready=False)
+    handles = []
+    for pair, (decode_url, prefill_url) in enumerate(
+        [(f"{decode.url}/dA", gone), (f"{decode.url}/dB", f"{prefill.url}/pB")]
+    ):
+        decode_half = EngineHandle(f"m/{2 * pair}", decode_url, "rollout", False, half="decode")
+        decode_half.prefill_id = f"m/{2 * pair + 1}"
+        prefill_half = EngineHandle(f"m/{2 * pair + 1}", prefill_url, "rollout", False)
+        prefill_half.half, prefill_half.bootstrap_port = "prefill", BOOTSTRAP_PORT
+        handles += [decode_half, prefill_half]
+    manager.attach(handles)
+    manager.weights_valid, manager.fault_tolerant = True, True
+    engines = EngineClients({"rollout": manager}, timeout_s=10)
+    engines.start()
+    try:
+        client = engines.client("rollout")
+        replies = [engines.run(client.request("/generate", GREEDY), "gen") for _ in range(2)]
+    finally:
+        engines.close()
+    assert [r["path"] for r in replies] == ["/dB/generate"] * 2  # one of them went to A first
+    assert list(manager.lost) == ["m/1"] and manager.lost["m/1"].startswith(f"upstream {gone}")
+    assert manager.requests.regenerated == 1
+    assert [e.engine_id for e in manager.serving()] == ["m/0", "m/2", "m/3"]  # A's decode half
+    (record,) = [r for r in manager.snapshot().models["m"].engines if r.engine_id == "m/0"]
+    assert record.state is State.FAILED  # but not routable without its prefill half
 
 
 def test_the_direct_client_sends_to_both_halves(halves):

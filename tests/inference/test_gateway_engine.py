@@ -17,7 +17,8 @@ from relax_launch.inference.control_plane import chat_renderer
 from relax_launch.inference.discovery import State
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.router import SGLangRouter
-from relax_launch.runtime.lifecycle import BatchFailed, LeaseError, LifecycleCoordinator
+from relax_launch.runtime.leases import BatchFailed, LeaseError
+from relax_launch.runtime.lifecycle import LifecycleCoordinator
 
 pytestmark = pytest.mark.e2e
 GREEDY = {"text": "The weather today", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}

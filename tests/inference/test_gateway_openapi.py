@@ -8,7 +8,7 @@ import pytest
 from conftest import make_manager, serve
 from pydantic import Field
 
-from relax_launch.inference import gateway
+from relax_launch.inference import generation_routes
 from relax_launch.inference.requests import (
     ChatRequest,
     CompletionRequest,
@@ -54,7 +54,7 @@ def test_a_field_added_to_a_request_model_appears_and_is_validated(upstream, mon
     class WithPriority(GenerateRequest):
         priority: int = Field(0, ge=0, le=9, description="Scheduling priority.")
 
-    monkeypatch.setattr(gateway, "GenerateRequest", WithPriority)
+    monkeypatch.setattr(generation_routes, "GenerateRequest", WithPriority)
     with serve({"teacher": make_manager("teacher", [f"{upstream.url}/e0"])}) as url:
         document = httpx.get(f"{url}/openapi.json").json()
         refused = httpx.post(f"{url}/teacher/generate", json={"text": "hi", "priority": 10})

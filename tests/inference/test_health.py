@@ -117,6 +117,34 @@ def test_an_engine_whose_port_refuses_is_lost_at_once():
     assert list(manager.lost) == ["m/0"] and "its server is gone" in manager.lost["m/0"]
 
 
+def test_a_dropped_connection_is_probed_again_at_once_on_a_new_one():
+    """Kept-alive connections a dead server left behind fail as dropped, not refused, and
+    aiohttp's own retry of a GET may take a second one from the pool: the probe asks again on a
+    connection of its own at once instead of waiting out a share of the window (here the
+    server drops its first two connections and answers the next)."""
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        if connections > 2:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async def verdict() -> tuple[str | None, float]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        began = time.monotonic()
+        async with aiohttp.ClientSession() as session, server:
+            gone = await HealthProbe(timeout_s=5, attempts=3, window_s=20).gone(session, url)
+        return gone, time.monotonic() - began
+
+    gone, seconds = asyncio.run(verdict())
+    assert gone is None and connections == 3 and seconds < 5, (gone, seconds)
+
+
 def test_an_engine_lost_after_failed_probes_is_routed_again_when_it_answers(engine):
     manager = rollout(engine.url, "http://127.0.0.1:1")
     engine.status = 503  # SGLang's answer when its scheduler is silent for 20 s

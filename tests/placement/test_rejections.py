@@ -99,9 +99,12 @@ CASES = {
         ],
         ["rollout.prefill", "rollout.pp_size=1 and rollout.prefill.pp_size=1"],
     ),
-    "prefill engines with fault tolerance": (
+    "prefill engines with fault tolerance but one pair": (
         ["rollout.ranks=1", "rollout.prefill.ranks=1", "rollout.fault_tolerance=true"],
-        ["rollout.prefill", "rollout.fault_tolerance off"],
+        [
+            "rollout.fault_tolerance needs two or more prefill/decode pairs",
+            "make 1 decode and 1 prefill engines",
+        ],
     ),
     "teacher prefill engines in a colocated placement": (
         [
@@ -230,9 +233,14 @@ CASES = {
         ["rollout.fault_tolerance=true", "rollout.tp_size=2"],
         ["rollout.fault_tolerance needs two or more rollout engines (rollout.ranks=2 makes one)"],
     ),
-    "fault tolerance behind sglang-router": (
-        ["rollout.fault_tolerance=true", "gateway.rollout_route_mode=router"],
-        ["rollout.fault_tolerance needs gateway.rollout_route_mode=direct"],
+    "fault tolerance of prefill/decode pairs behind sglang-router": (
+        [
+            "cluster.nproc_per_node=6",
+            "rollout.prefill.ranks=2",
+            "rollout.fault_tolerance=true",
+            "gateway.rollout_route_mode=router",
+        ],
+        ["rollout.fault_tolerance needs gateway.rollout_route_mode=direct with rollout.prefill"],
     ),
     "fault tolerance colocated": (
         [*SPLIT, "rollout.fault_tolerance=true"],
@@ -357,10 +365,6 @@ CASES = {
         [*SPLIT, "rollout.max_engines=2"],
         ["rollout.max_engines reserves ranks", "placement.mode=split cannot do yet"],
     ),
-    "elastic engines behind sglang-router": (
-        ["rollout.ranks=1", "rollout.max_engines=2", "gateway.rollout_route_mode=router"],
-        ["rollout.max_engines with gateway.rollout_route_mode=router"],
-    ),
     "elastic engines of a disaggregated role": (
         ["rollout.ranks=1", "rollout.prefill.ranks=1", "rollout.max_engines=2", "trainer.ranks=1"],
         ["rollout.max_engines with rollout.prefill"],
@@ -473,9 +477,28 @@ def test_an_engine_spanning_nodes_runs_decoupled_without_fault_tolerance():
     assert "rollout.fault_tolerance" in refused.value.fields
 
 
+def test_fault_tolerance_runs_fully_asynchronous_and_with_two_prefill_decode_pairs():
+    """Neither is refused any more: the fully asynchronous rollout's interrupted generations
+    continue on the engines left, and a pair's half restarts and rejoins its partner."""
+    tolerant = ["rollout.fault_tolerance=true"]
+    check([*tolerant, "algorithm.max_staleness=1"])  # accepted
+    pairs = ["cluster.nproc_per_node=6", "rollout.prefill.ranks=2"]
+    check([*tolerant, *pairs])  # accepted: two decode engines, two prefill engines
+    with pytest.raises(ConfigError, match="make 2 decode and 1 prefill engines"):
+        check([*tolerant, "cluster.nproc_per_node=5", "rollout.prefill.ranks=1"])
+
+
 def test_an_engine_spanning_nodes_is_refused_colocated():
     two_nodes = ["cluster.nnodes=2", "cluster.nproc_per_node=1", "rollout.ranks=2", *SPLIT]
     job = build_config(BASE, [*two_nodes, "rollout.tp_size=2"])
     with pytest.raises(ConfigError, match="decoupled placement only") as refused:
         check_runnable(job, plan(job))
     assert refused.value.fields == ("placement.mode", "rollout.tp_size")
+
+
+def test_elastic_and_fault_tolerant_rollout_engines_run_behind_sglang_router():
+    """Neither is refused any more: the router's workers follow the engines in routing
+    (``inference/router_workers.py``)."""
+    router = "gateway.rollout_route_mode=router"
+    check(["rollout.ranks=1", "rollout.max_engines=2", router])  # accepted
+    check(["rollout.fault_tolerance=true", router])  # accepted

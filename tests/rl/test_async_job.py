@@ -15,7 +15,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["rollout.function=tiny_agent:two_long_turns"]],
+    # responses alone are slow: conversations interrupt and resume the same generations
+    [pytest.param([], marks=pytest.mark.slow), ["rollout.function=tiny_agent:two_long_turns"]],
     ids=["responses", "conversations"],
 )
 def test_fully_async_job_interrupts_and_resumes_generations(tmp_path, overrides):

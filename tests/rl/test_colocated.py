@@ -9,7 +9,8 @@ import pytest
 
 from relax_launch.rl.colocated import PhaseError, run_batch
 from relax_launch.runtime.colocation import SYNC_WINDOW
-from relax_launch.runtime.lifecycle import BatchFailed, LeaseError, LifecycleCoordinator
+from relax_launch.runtime.leases import BatchFailed, LeaseError
+from relax_launch.runtime.lifecycle import LifecycleCoordinator
 from relax_launch.trainer.offload import PARTS
 
 ENGINE_PARTS = ("weights", "kv_cache")

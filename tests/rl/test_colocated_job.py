@@ -97,9 +97,22 @@ def assert_turns(events: list[dict], batches: int) -> None:
         assert mine.count(("commit", None)) == 1
 
 
+LORA = ("trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lr=1e-2")
+
+
+def assert_engine_served_the_trainers_weights(steps: list[dict]) -> None:
+    """A colocated rollout engine's released weights come back as zeros: every sync of a LoRA
+    policy must bring back the whole model, not the targeted weights alone (which served
+    zeros for the embeddings, norms and head: logprob gaps of 13-18 in fp32)."""
+    for step in steps:  # the engine generated with exactly the trainer's weights
+        assert step["logprob_diff_max"] < 1e-3 and step["mismatch_kl"] < 1e-6, step
+
+
 def test_split_job_runs_its_slices_together_then_trains(tmp_path):
-    steps = run_job(HERE / "split_tiny.yaml", tmp_path)
+    """A LoRA policy (engines: merged), which also checks the colocated sync of LoRA."""
+    steps = run_job(HERE / "split_tiny.yaml", tmp_path, *LORA)
     assert [s["weight_version"] for s in steps] == [0, 1, 2]
+    assert_engine_served_the_trainers_weights(steps)
     assert abs(steps[0]["reverse_kl"]) < 1e-3
     # dynamic sampling: the random model rarely answers right, so groups are mostly flat and
     # a second round is drawn while the slices stay onloaded; a batch still short is padded
@@ -124,14 +137,6 @@ def test_split_job_runs_its_slices_together_then_trains(tmp_path):
         assert together and all("trainer" not in h for h in together), held
 
 
-@pytest.mark.parametrize(
-    "config", ["split_tiny.yaml", pytest.param("defer_tiny.yaml", marks=pytest.mark.slow)]
-)
-def test_lora_merged_in_colocated_placement_serves_the_trainers_weights(tmp_path, config):
-    """A colocated rollout engine's released weights come back as zeros: every sync of a LoRA
-    policy must bring back the whole model, not the targeted weights alone (which served
-    zeros for the embeddings, norms and head: logprob gaps of 13-18 in fp32)."""
-    lora = ("trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lr=1e-2")
-    steps = run_job(HERE / config, tmp_path, *lora)
-    for step in steps:  # the engine generated with exactly the trainer's weights
-        assert step["logprob_diff_max"] < 1e-3 and step["mismatch_kl"] < 1e-6, step
+@pytest.mark.slow  # split's LoRA sync: test_split_job_runs_its_slices_together_then_trains
+def test_lora_merged_in_defer_placement_serves_the_trainers_weights(tmp_path):
+    assert_engine_served_the_trainers_weights(run_job(HERE / "defer_tiny.yaml", tmp_path, *LORA))

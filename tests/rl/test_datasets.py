@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from relax_launch.config import ConfigError
-from relax_launch.rl.config import DataConfig, RewardConfig, RewardSource
+from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.data import load_prompts
+from relax_launch.rl.data_config import DataConfig
 from relax_launch.rl.inputs import check_inputs
 
 ROWS = [

@@ -7,6 +7,9 @@ judge requests once routable), scales it back to 1 with requests in flight (ever
 is answered, none lost), and the autoscaler then scales it out again on the burst's load. Each
 error of the scale routes is asked for (401, 422, 400, 404, 409). The job is stopped at the end:
 it exits as stopped and leaves no process (the scaled-out server is stopped by its PID).
+
+And an autoscaled rollout role (slow): the first rollout phase asks for a second engine, which
+is routed after a later weight sync, and the job keeps both across the steps that follow.
 """
 
 from __future__ import annotations
@@ -246,3 +249,57 @@ def _decisions(log: Path) -> list[dict] | None:
     if not log.is_file():
         return None
     return [json.loads(line) for line in log.read_text().splitlines()] or None
+
+
+@pytest.mark.slow
+def test_an_autoscaled_rollout_role_keeps_its_engines_across_steps(tmp_path):
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    cli = Path(sys.executable).with_name("relax-launch")
+    env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN, "PYTHONPATH": str(HERE)}  # the reward
+    config = HERE / "elastic_rollout_tiny.yaml"
+    with open(console, "w") as out:
+        command = [str(cli), "run", str(config), f"logging.dir={run_dir}"]
+        job = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        gateway = wait_for("gateway.json", lambda: _gateway(run_dir, job, console))
+        scaled = wait_for("the scale-out", lambda: _ended_operations(run_dir, job, console), 400)
+        routed_at = len(_metrics(run_dir))
+        wait_for("8 steps with two engines", lambda: len(_metrics(run_dir)) >= routed_at + 8, 120)
+        served = httpx.get(f"{gateway}/rollout/admin/engines", headers=AUTH, timeout=10).json()
+    finally:
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=120)
+    assert code == STOPPED, console.read_text()[-4000:]
+    assert not processes_tagged(os.environ[TEST_TAG])
+    # one decision, from the first phase's 4 requests at 2 per engine
+    [decision] = _decisions(run_dir / "autoscaler.jsonl")
+    assert decision["decision"] == "scale_out" and (decision["from"], decision["to"]) == (1, 2)
+    assert decision["policy"] == "rollout_phase" and decision["phases"][0]["requests"] == 4
+    assert [op["operation"] for op in scaled] == ["scale_out"], scaled
+    assert scaled[0]["state"] == "succeeded" and scaled[0]["source"] == "autoscaler", scaled
+    assert scaled[0]["request_id"] == decision["request_id"]
+    # never scaled in between the steps; the new engine routed at a later sync, then generating
+    assert len(_decisions(run_dir / "scaling.jsonl")) == 1
+    rows = _metrics(run_dir)
+    waited = [r for r in rows if r["rollout/engines_serving"] == 1 and r["step"] > 1]
+    assert waited, "no phase ended while the engine started: the no-second-request case"
+    assert all(r["rollout/engines_serving"] == 2 for r in rows[routed_at:]), rows[routed_at:]
+    assert rows[-1]["rollout/autoscale_decisions"] == 1 and rows[-1]["rollout/engines"] == 2
+    assert all(r["answered"] > 0 for r in served["replicas"]), served
+    print(
+        f"\nrollout 1 -> 2 engines asked after step 1's rollout phase; {len(waited)} steps ran "
+        f"while the engine started ({scaled[0]['seconds']:.1f} s), none asked again; two "
+        f"engines kept for the {len(rows) - routed_at} steps after"
+    )
+
+
+def _ended_operations(run_dir: Path, job: subprocess.Popen, console: Path) -> list[dict] | None:
+    assert job.poll() is None, console.read_text()[-4000:]
+    return _decisions(run_dir / "scaling.jsonl")  # a line per operation ended
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    log = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []

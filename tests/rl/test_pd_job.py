@@ -6,7 +6,8 @@ stages, train 3 steps with the trainer's logprobs equal to the engine's after ev
 The prefill/decode job then keeps serving (its reward is slow from step 4) while the test sends
 native, OpenAI chat (SSE too) and completions requests through the gateway to the pair, reads
 the pair in discovery and the version both halves serve, and SIGKILLs the prefill engine's
-server: the job ends, naming it, and leaves no process.
+server: the job ends, naming it, and leaves no process. With rollout.fault_tolerance and two
+pairs (slow suite), a killed prefill half and then a killed decode half each come back instead.
 
 The parity check can fail on a half that missed a version: the first token of every answer is
 sampled by the prefill engine (its logprob comes back with the decode engine's), the others by
@@ -40,6 +41,7 @@ REPO = Path(__file__).parents[2]
 CONFIG = REPO / "configs" / "pd_cpu.yaml"
 TOLERANCE = 1e-4  # fp32 trainer vs fp32 engine
 SLOW_REWARD = "reward.sources=[{name: slow, function: 'slow_reward:slow'}]"
+EXACT = "{name: answer, function: 'builtin:exact_numeric'}"
 ALL_GONE_S = 30.0
 
 
@@ -60,7 +62,7 @@ def assert_parity_after_every_sync(steps: list[dict]) -> None:
 class PdJob:
     """``relax-launch run`` of the prefill/decode config, kept serving by a slow 4th step."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *overrides: str) -> None:
         self.run_dir, self.tag = run_dir, os.environ[TEST_TAG]
         env = {
             **os.environ,
@@ -71,7 +73,7 @@ class PdJob:
             # each broadcast of a sync 1.1 s, as GPU-sized ones take: waits outlast a second
             SLOW_BROADCAST_ENV: "1.1",
         }
-        args = [f"logging.dir={run_dir}", "algorithm.num_steps=4", SLOW_REWARD]
+        args = [f"logging.dir={run_dir}", "algorithm.num_steps=4", SLOW_REWARD, *overrides]
         self.process = subprocess.Popen(
             [str(Path(sys.executable).with_name("relax-launch")), "run", str(CONFIG), *args],
             stdout=subprocess.PIPE,
@@ -89,13 +91,14 @@ class PdJob:
             time.sleep(0.2)
         return found
 
-    def prefill_server(self) -> int:
-        """The PID of the prefill engine's SGLang launcher (its server's process group)."""
+    def prefill_server(self, half: str = "prefill") -> int:
+        """The PID of the (first) ``half`` engine's SGLang launcher (its server's process
+        group)."""
         for p in processes_tagged(self.tag):
             command = " ".join(p.cmdline())
-            if "sglang.launch_server" in command and "--disaggregation-mode prefill" in command:
+            if "sglang.launch_server" in command and f"--disaggregation-mode {half}" in command:
                 return p.pid
-        raise LookupError("no prefill server among the job's processes")
+        raise LookupError(f"no {half} server among the job's processes")
 
     def seconds_until_gone(self, since: float, limit_s: float = 90) -> float:
         return seconds_until_gone(self.tag, since, limit_s)
@@ -237,3 +240,42 @@ def test_teacher_served_by_a_prefill_decode_pair(tmp_path):
     print("reverse KL to the teacher by step: " + ", ".join(f"{k:.2e}" for k in kl))
     assert abs(steps[0]["reverse_kl"]) < TOLERANCE  # the same weights, scored by the pair
     assert abs(steps[-1]["reverse_kl"]) > abs(steps[0]["reverse_kl"])  # the student moved
+
+
+@pytest.mark.slow
+def test_a_dead_half_of_a_pair_restarts_and_its_pair_rejoins(tmp_path):
+    """rollout.fault_tolerance with two prefill/decode pairs: the SIGKILL of a prefill half,
+    then of a decode half, each takes its pair out of routing (the other pair generates what
+    it lost), its rank restarts that half, SGLang's KV transfer re-forms (the decode half
+    forgets a dead prefill half by its heartbeat and registers again), and the pair (its live
+    half held out with it) takes the next sync and serves again; every step keeps
+    trainer-engine parity, none is lost."""
+    pairs = ["cluster.nproc_per_node=5", "rollout.ranks=2", "rollout.prefill.ranks=2"]
+    endless = ["algorithm.num_steps=1000", f"reward.sources=[{EXACT}]"]
+    tolerant = ["rollout.fault_tolerance=true", f"checkpoint.dir={tmp_path / 'ck'}"]
+    job = PdJob(tmp_path / "run", *pairs, *endless, *tolerant)
+    seconds = {}
+    try:
+        job.wait_for_steps(3, timeout_s=600)
+        for restarts, half in enumerate(("prefill", "decode"), start=1):
+            os.killpg(job.prefill_server(half), signal.SIGKILL)
+            began = time.monotonic()
+            while not any(r.get("rollout/engine_restarts") == restarts for r in rows(job.run_dir)):
+                assert job.process.poll() is None, job.process.communicate()[0][-4000:]
+                assert time.monotonic() - began < 300, f"the {half} half did not come back"
+                time.sleep(0.2)
+            seconds[half] = time.monotonic() - began
+            job.wait_for_steps(len(rows(job.run_dir)) + 2)
+        (job.run_dir / "STOP").touch()
+        console = job.process.communicate(timeout=120)[0]
+    finally:
+        job.kill()
+    print(f"\nSIGKILL to serving again: {seconds}")
+    assert job.process.returncode == 75, console[-4000:]
+    steps = rows(job.run_dir)
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))  # none lost
+    assert max(s["logprob_diff_max"] for s in steps) <= TOLERANCE  # parity after every sync
+    serving = [int(s["rollout/engines_serving"]) for s in steps]
+    regenerated = sum(s["rollout/prompts_regenerated"] for s in steps)
+    print(f"engines serving by step: {serving}; generations sent again: {regenerated:.0f}")
+    assert serving[-1] == 4 and min(serving) == 2 and steps[-1]["rollout/engine_restarts"] == 2

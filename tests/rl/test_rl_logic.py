@@ -14,9 +14,10 @@ from rich.console import Console
 from relax_launch.rl import runner
 from relax_launch.rl.advantages import distill_advantages, grpo
 from relax_launch.rl.batch import assign_advantages, to_batch
-from relax_launch.rl.config import DataConfig, RewardConfig, RewardSource
+from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.context import PromptFeed, StepResult
 from relax_launch.rl.data import PromptCursor, PromptStream, load_prompts
+from relax_launch.rl.data_config import DataConfig
 from relax_launch.rl.phases import drop_stale, sync_metrics
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import (

@@ -23,7 +23,7 @@ from relax_launch.inference.engine import get_json, post
 from relax_launch.placement import plan
 from relax_launch.runtime.engine_restart import engine_alive
 from relax_launch.runtime.job import run_rank
-from relax_launch.runtime.workers import TrainStep
+from relax_launch.runtime.rank_commands import TrainStep
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.weights.update_session import WeightSyncError
 
@@ -241,6 +241,49 @@ def scale_rollout(session):
     return report
 
 
+def scale_behind_router(session):
+    """scale_rollout in route mode router: the new engine enters sglang-router's workers when
+    the sync commits on it, serves requests the gateway sends through the router, and leaves
+    the router when scaled in (a few steps, no training: tests/inference/test_router_workers.py
+    has the order of each change)."""
+    import httpx
+
+    session.wait_for_engines()
+    session.connect_weight_sync()
+    session.sync_weights(0)
+    router = session.control_plane.router.url
+    joining = scaled(session, "scale_out", 2, until="joining")
+    report = {"joining": joining, "workers_joining": router_workers(router)}
+    session.sync_weights(1)  # takes the new engine in
+    report["scale_out"] = done = scaled_status(session, joining)
+    new = done["replicas"][0]["url"]
+    report["new"], report["workers_out"] = new, router_workers(router)
+    served = requests_served(new)
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    generate = session.gateway_url + "/rollout/generate"
+    report["routed"] = [httpx.post(generate, json=body, timeout=60).status_code for _ in range(6)]
+    report["served_by_new"] = requests_served(new) - served
+    report["scale_in"] = scaled(session, "scale_in", 1, until="stopped")
+    report["workers_in"] = router_workers(router)
+    report["routed_after"] = [httpx.post(generate, json=body, timeout=60).status_code]
+    report["new_alive"] = engine_alive(new)
+    return report
+
+
+def router_workers(router: str) -> list[str]:
+    return sorted(w["url"] for w in get_json(router, "/workers", 30)["workers"])
+
+
+def requests_served(url: str) -> float:
+    """The requests the engine at ``url`` finished, as its own metrics count them."""
+    import httpx
+
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return sum(
+        float(line.split()[-1]) for line in lines if line.startswith("sglang:num_requests_total")
+    )
+
+
 def scaled_status(session, doc: dict) -> dict:
     import httpx
 
@@ -280,6 +323,7 @@ def main():
         "stuck": stuck,
         "rollback": rollback,
         "scale_rollout": scale_rollout,
+        "scale_behind_router": scale_behind_router,
     }
     if sys.argv[1] == "rollback" and os.environ["RANK"] == "0":
         corrupt_version_1_export()

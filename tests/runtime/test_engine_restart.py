@@ -87,7 +87,11 @@ def serving(manager: InferenceManager) -> list[str]:
 def test_nothing_changed_keeps_the_groups():
     members, _, manager = membership()
     assert members.before_sync() is None
-    assert members.metrics() == {"rollout/engines_serving": 3.0, "rollout/engine_restarts": 0.0}
+    assert members.metrics() == {
+        "rollout/engines_serving": 3.0,
+        "rollout/engine_restarts": 0.0,
+        "rollout/prompts_regenerated": 0.0,
+    }
 
 
 def test_a_lost_engine_leaves_routing_and_the_next_sync_and_comes_back_once_restarted():
@@ -101,8 +105,45 @@ def test_a_lost_engine_leaves_routing_and_the_next_sync_and_comes_back_once_rest
     assert members.before_sync() == (0, 1, 2)
     assert serving(manager) == ["m/0", "m/1", "m/2"]
     assert manager.engines[1].generation == 2  # a new engine behind the same id
-    assert members.metrics() == {"rollout/engines_serving": 3.0, "rollout/engine_restarts": 1.0}
+    assert members.metrics() == {
+        "rollout/engines_serving": 3.0,
+        "rollout/engine_restarts": 1.0,
+        "rollout/prompts_regenerated": 0.0,
+    }
     assert members.before_sync() is None
+
+
+def test_each_step_counts_the_generations_sent_again_since_the_step_before():
+    members, _, manager = membership()
+    for _ in range(3):
+        manager.requests.regenerating()
+    assert members.metrics()["rollout/prompts_regenerated"] == 3.0
+    assert members.metrics()["rollout/prompts_regenerated"] == 0.0
+    manager.requests.regenerating()
+    assert members.metrics()["rollout/prompts_regenerated"] == 1.0
+
+
+def pairs() -> tuple[RolloutMembership, DictStore, InferenceManager]:
+    """Decode halves 0 and 1, paired with prefill halves 2 and 3."""
+    members, store, manager = membership(4)
+    for decode, prefill in ((0, 2), (1, 3)):
+        manager.engines[decode].half, manager.engines[prefill].half = "decode", "prefill"
+        manager.engines[decode].prefill_id = f"m/{prefill}"
+    return members, store, manager
+
+
+@pytest.mark.parametrize("dead, partner", [(2, 0), (1, 3)], ids=["prefill", "decode"])
+def test_a_pair_with_a_half_out_leaves_the_sync_whole_and_comes_back_whole(dead, partner):
+    """The live half holds requests waiting on its partner's KV transfer (a sync's cache flush
+    refuses them): it leaves routing and the sync with it, and comes back with it."""
+    members, store, manager = pairs()
+    store.set(engine_key("down", "rollout", dead), "1")  # its head restarts it
+    assert members.before_sync() == tuple(sorted({0, 1, 2, 3} - {dead, partner}))
+    assert set(manager.lost) == {f"m/{dead}", f"m/{partner}"}
+    assert members.before_sync() is None  # held while its partner restarts: no new groups
+    store.set(engine_key("up", "rollout", dead), "1")  # ready again
+    assert members.before_sync() == (0, 1, 2, 3) and manager.lost == {}
+    assert members.before_sync() is None and members.held == set()
 
 
 def test_an_engine_restarting_before_the_controller_noticed_leaves_the_sync():
@@ -175,6 +216,24 @@ def test_a_restart_is_counted_down_then_up_and_the_fourth_death_ends_the_job():
     refused = restarts.restart("its SGLang server exited with code 1")
     assert refused == "its SGLang server exited with code 1, for the 4th time (3 restarts allowed)"
     assert worker.launched == 3
+
+
+def test_a_prefill_half_starts_again_only_once_its_decode_halves_forgot_it(monkeypatch):
+    """Its restart is counted at once, its launch waits ``PARTNER_FORGETS_S`` (on the
+    watchdog's ticks: ``proceed``), then it is counted up as any other engine's."""
+    monkeypatch.setattr("relax_launch.runtime.engine_restart.PARTNER_FORGETS_S", 0.3)
+    store, worker = DictStore(), FakeWorker()
+    worker.engine.disaggregation = "prefill"
+    restarts = EngineRestarts(store, worker, timeout_s=1)
+    assert restarts.restart("its SGLang server was killed by SIGKILL") is None
+    assert restarts.pending and worker.launched == 0
+    assert store.get(engine_key("down", "rollout", 1)) == b"1"
+    assert restarts.proceed() is None and worker.launched == 0  # still held
+    time.sleep(0.35)
+    assert restarts.proceed() is None and worker.launched == 1
+    restarted(restarts)
+    assert store.get(engine_key("up", "rollout", 1)) == b"1"
+    assert restarts.proceed() is None and worker.launched == 1  # launched once
 
 
 def test_a_server_that_does_not_start_again_ends_the_job():

@@ -97,7 +97,10 @@ ADAPTER = "trainer.lora.engines=adapter"
     [
         # Qwen2: 2 layers x (fused qkv weight and bias, o, fused gate_up, down, 2 norms) +
         # embeddings (tied: no lm_head) and the final norm; the trainer has TP=2.
-        ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 16, ()),
+        # (slow: the RL jobs of tests/rl sync whole models into decoupled engines each step)
+        pytest.param(
+            "decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 16, (), marks=pytest.mark.slow
+        ),
         # Qwen3: 2 layers x (fused qkv, q/k norms, o, fused gate_up, down, 2 norms) +
         # embeddings, final norm, lm_head; the trainer has DP=2.
         ("split_2rank.yaml", 1, "bucket", "tiny-qwen3", 19, ()),
@@ -169,6 +172,7 @@ def wide_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # the sync alone: tests/weights/test_sync_engine.py, in the default run
 def test_an_engine_dying_mid_sync_never_lets_a_half_updated_engine_serve(tmp_path, wide_model):
     """Two rollout engines with fault tolerance; in the sync to version 1 one engine stops
     reading (the other has then received part of the weights only) and is killed 3 s later.
@@ -225,6 +229,7 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
 
 
+@pytest.mark.slow  # in the default run: test_job_ends.py, a dead rank 1
 def test_sigkill_of_an_inference_rank_ends_the_job_naming_it(tmp_path):
     out = tmp_path / "urls.json"
     process, placement = start("hold", "decoupled_4rank.yaml", out, tmp_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from relax_launch.commands.launcher import explain_failure, failure_report, next_steps
 from relax_launch.config import build_config
+from relax_launch.inference.config import TeacherConfig
 from relax_launch.placement import plan
 from relax_launch.rl.checkpoints import Checkpoints
 
@@ -118,6 +119,10 @@ def test_next_steps_name_fault_tolerance_and_the_resume_command(tmp_path):
     advice = next_steps(job, ["job.yaml", "a=1"], dead_server)
     assert "rollout.fault_tolerance=true" in advice
     assert advice.endswith("no checkpoint to resume from: fix the cause and run it again")
+    teacher = job.model_copy(update={"teacher": TeacherConfig(model="m")})
+    dead_teacher = "teacher engine 0 on rank 2 (teacher[e0 head], node 0): its SGLang server died"
+    advice = next_steps(teacher, ["job.yaml"], dead_teacher)
+    assert advice.startswith("with teacher.fault_tolerance=true (decoupled) a dead teacher")
     checkpoints = Checkpoints(job.checkpoint_dir, 0)
     checkpoints.prepare(4)
     checkpoints.complete(4, {})

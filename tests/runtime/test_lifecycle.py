@@ -9,7 +9,8 @@ import time
 import pytest
 
 from relax_launch.runtime import lifecycle
-from relax_launch.runtime.lifecycle import BatchFailed, LeaseError, LifecycleCoordinator
+from relax_launch.runtime.leases import BatchFailed, LeaseError
+from relax_launch.runtime.lifecycle import LifecycleCoordinator
 
 SYNC = {("trainer", "params"), ("rollout", "weights")}
 

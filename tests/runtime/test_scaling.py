@@ -19,9 +19,10 @@ from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
 from relax_launch.placement import plan
 from relax_launch.runtime import scaling
-from relax_launch.runtime.autoscaler import Autoscaler, Load
+from relax_launch.runtime.autoscale_policy import Load
+from relax_launch.runtime.autoscaler import LoadAutoscaler
 from relax_launch.runtime.control import RemoteError
-from relax_launch.runtime.workers import StartEngine, StopEngine
+from relax_launch.runtime.rank_commands import StartEngine, StopEngine
 
 JOB = {
     "cluster": {"nnodes": 1, "nproc_per_node": 5, "device": "cpu"},
@@ -223,11 +224,11 @@ class FakeScaler:
         return type("Op", (), {"request_id": f"op{len(self.asked)}"})()
 
 
-def autoscaler(tmp_path, fake: FakeScaler, **config) -> Autoscaler:
+def autoscaler(tmp_path, fake: FakeScaler, **config) -> LoadAutoscaler:
     from relax_launch.inference.config import AutoscaleConfig
 
     settings = {"scale_up_window_s": 2, "scale_down_window_s": 5, "cooldown_s": 3} | config
-    return Autoscaler(
+    return LoadAutoscaler(
         "genrm", AutoscaleConfig(**settings), (1, 3), fake, genrm_manager(),
         tmp_path / "autoscaler.jsonl",
     )  # fmt: skip
@@ -237,12 +238,12 @@ def test_the_autoscaler_scales_out_after_its_window_and_clamps_to_its_bounds(tmp
     fake = FakeScaler(1)
     scale = autoscaler(tmp_path, fake, target_queue_per_engine=4)
     busy = Load(queued=6, running=4, in_flight=3)  # 10 requests: 3 engines wanted
-    assert scale.tick(busy, 100.0) is None and scale.wanted == 3
+    assert scale.tick(busy, 100.0) is None and scale.policy.wanted == 3
     assert scale.tick(busy, 101.9) is None  # within the up window
     decision = scale.tick(busy, 102.0)
     assert decision["decision"] == "scale_out" and (decision["from"], decision["to"]) == (1, 3)
     assert decision["request_id"] == "op1" and fake.asked == [("scale_out", 3, "autoscaler")]
-    assert scale.tick(Load(0, 0, 40), 200.0) is None and scale.wanted == 3  # at most 3
+    assert scale.tick(Load(0, 0, 40), 200.0) is None and scale.policy.wanted == 3  # at most 3
     logged = [json.loads(line) for line in (tmp_path / "autoscaler.jsonl").open()]
     assert logged == [decision]
     assert scale.metrics() == {"genrm/autoscale_decisions": 1.0, "genrm/autoscale_wanted": 3.0}
@@ -253,11 +254,11 @@ def test_the_autoscaler_waits_out_operations_cooldowns_and_a_changing_mind(tmp_p
     scale = autoscaler(tmp_path, fake)
     quiet = Load(0, 0, 0)
     fake.active = {"genrm": object()}  # an operation runs: nothing decided, windows reset
-    assert scale.tick(quiet, 0.0) is None and scale.since is None
+    assert scale.tick(quiet, 0.0) is None and scale.policy.since is None
     fake.active, fake.ended = {}, {"genrm": 10.0}
-    assert scale.tick(quiet, 12.0) is None and scale.since is None  # cooling down until 13
-    assert scale.tick(quiet, 13.0) is None and scale.since == ("scale_in", 13.0)
-    assert scale.tick(Load(0, 0, 9), 15.0) is None and scale.since is None  # wants 3 again
+    assert scale.tick(quiet, 12.0) is None and scale.policy.since is None  # cooling down until 13
+    assert scale.tick(quiet, 13.0) is None and scale.policy.since == ("scale_in", 13.0)
+    assert scale.tick(Load(0, 0, 9), 15.0) is None and scale.policy.since is None  # wants 3 again
     assert scale.tick(quiet, 16.0) is None
     assert scale.tick(quiet, 20.9) is None
     decision = scale.tick(quiet, 21.0)  # 5 s of wanting 1 (the planned count, at least)
@@ -267,7 +268,7 @@ def test_the_autoscaler_waits_out_operations_cooldowns_and_a_changing_mind(tmp_p
 def test_a_refused_decision_is_logged_with_why(tmp_path):
     fake = FakeScaler(1)
     scale = autoscaler(tmp_path, fake, scale_up_window_s=0)
-    scale.bounds = (1, 5)
+    scale.policy.bounds = (1, 5)
     decision = scale.tick(Load(0, 0, 100), 0.0)
     assert decision["refused"] == "outside" and "request_id" not in decision
 

@@ -108,6 +108,7 @@ def trains_and_syncs_for_three_steps(job: TwoNodeJob, engine_host: str) -> None:
         assert f"Uvicorn running on http://{engine_host}:" in log
 
 
+@pytest.mark.slow  # the spanning engine's job below runs its nodes in namespaces of their own
 @needs_netns
 def test_two_nodes_each_in_its_own_network_namespace(tmp_path):
     with netns.NodeNetwork() as network:
