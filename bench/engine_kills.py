@@ -201,7 +201,14 @@ def server_at(url: str) -> psutil.Process:
 def kill_one(job: Job, schedule: str, role: str, half: str | None = None) -> Kill:
     """Kill the role's first engine (or its pair's ``half``) and measure its return."""
     kill = Kill(schedule, f"{role} {half}" if half else role)
-    target = job.engines(role)[0]
+    found: list[dict] = []
+
+    def routable_now() -> list[dict]:  # none while a sync runs: the model is closed then
+        found[:] = job.engines(role)
+        return found
+
+    job.wait(f"a routable {role} engine", routable_now, BACK_TIMEOUT_S)
+    target = found[0]
     url = target["prefill"]["base_url"] if half == "prefill" else target["base_url"]
     victim = server_at(url)
     steps_before, began = len(job.rows()), time.monotonic()
