@@ -45,6 +45,12 @@ def engine_key(event: str, role: str, index: int) -> str:
     return f"engine_{event}/{role}/{index}"
 
 
+def restart_count(store: Any, event: str, role: str, index: int) -> int:
+    """How many restarts of the engine its head has counted as ``event`` (0: none yet)."""
+    key = engine_key(event, role, index)
+    return int(store.get(key)) if store.check([key]) else 0
+
+
 class EngineRestarts:
     """Restarts one engine's server (an ``EngineWorker``) for its head rank's watchdog."""
 
@@ -230,8 +236,7 @@ class RolloutMembership:
         }
 
     def _count(self, event: str, index: int) -> int:
-        key = engine_key(event, "rollout", index)
-        return int(self.store.get(key)) if self.store.check([key]) else 0
+        return restart_count(self.store, event, "rollout", index)
 
 
 def engine_alive(url: str, timeout_s: float = 2.0) -> bool:

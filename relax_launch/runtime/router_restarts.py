@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from relax_launch.inference.manager import InferenceManager
-from relax_launch.runtime.engine_restart import engine_key
+from relax_launch.runtime.engine_restart import restart_count
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 0.25  # a relaunched SGLang server needs seconds before it answers
@@ -66,5 +66,4 @@ class RouterRestarts:
                 self.manager.engine_lost(engine.engine_id, "its server is restarting")
 
     def _count(self, index: int) -> int:
-        key = engine_key("down", "rollout", index)
-        return int(self.store.get(key)) if self.store.check([key]) else 0
+        return restart_count(self.store, "down", "rollout", index)

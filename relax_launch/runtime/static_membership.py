@@ -23,7 +23,12 @@ from relax_launch.console import operator_log
 from relax_launch.inference.discovery import WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.manager import InferenceManager
-from relax_launch.runtime.engine_restart import MAX_RESTARTS, PROBE_S, engine_alive, engine_key
+from relax_launch.runtime.engine_restart import (
+    MAX_RESTARTS,
+    PROBE_S,
+    engine_alive,
+    restart_count,
+)
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 0.5  # how often the counts are read: a restart takes seconds at the least
@@ -86,7 +91,7 @@ class StaticMembership:
 
     def _check(self, manager: InferenceManager, engine: EngineHandle) -> None:
         key = (manager.role, engine.index or 0)
-        down, up = (self._count(event, *key) for event in ("down", "up"))
+        down, up = (restart_count(self.store, event, *key) for event in ("down", "up"))
         if down > up:
             manager.engine_lost(engine.engine_id, "its server is restarting")
         elif up > self.up.get(key, 0):  # even one never seen lost: its server is new
@@ -113,7 +118,3 @@ class StaticMembership:
             out[f"{manager.role}/engines_serving"] = float(len(manager.serving()))
             out[f"{manager.role}/engine_restarts"] = float(self.restarts[manager.role])
         return out
-
-    def _count(self, event: str, role: str, index: int) -> int:
-        key = engine_key(event, role, index)
-        return int(self.store.get(key)) if self.store.check([key]) else 0
