@@ -174,6 +174,37 @@ def test_a_stop_anywhere_checkpoints_and_exits_75(tmp_path, what, signum):
         assert code == STOPPED, console
 
 
+def kill_a_rollout_engine_and_stop(job: Job, where: str) -> tuple[int, str, str]:
+    """After step 3, SIGKILL a rollout engine's server (its whole process group, as when it
+    crashes); once a step row counts its restart and 2 more steps ran, stop the job (STOP
+    file). Returns its exit code and console."""
+    try:
+        job.wait_for_steps(3)
+        os.killpg(job.target("engine").pid, signal.SIGKILL)
+        began = time.monotonic()
+        back = job.wait_for_row(lambda row: row.get("rollout/engine_restarts") == 1)
+        seconds = time.monotonic() - began
+        print(
+            f"\nrollout engine SIGKILL{where}: serving again at step {back} after {seconds:.1f} s"
+        )
+        job.wait_for_steps(back + 2)
+        (job.run_dir / "STOP").touch()
+        return job.finish()
+    finally:
+        if job.process.poll() is None:
+            os.killpg(job.process.pid, signal.SIGKILL)
+            job.process.wait()
+
+
+def server_of(job: Job, rank: int) -> psutil.Process:
+    """The SGLang server a rank launched."""
+    return next(
+        p
+        for p in job.target(f"rank{rank}").children(recursive=True)
+        if "sglang.launch_server" in " ".join(p.cmdline())
+    )
+
+
 @pytest.mark.slow  # the fully asynchronous case below proves the same in the default run
 def test_a_dead_rollout_engine_restarts_and_the_job_goes_on(tmp_path):
     """rollout.fault_tolerance with two engines: one engine's server is killed (its whole
@@ -183,22 +214,7 @@ def test_a_dead_rollout_engine_restarts_and_the_job_goes_on(tmp_path):
     job = Job(
         tmp_path, "cluster.nproc_per_node=3", "rollout.ranks=2", "rollout.fault_tolerance=true"
     )
-    try:
-        job.wait_for_steps(3)
-        os.killpg(job.target("engine").pid, signal.SIGKILL)
-        began = time.monotonic()
-        back = job.wait_for_row(lambda row: row.get("rollout/engine_restarts") == 1)
-        print(
-            f"\nrollout engine SIGKILL: serving again at step {back} after "
-            f"{time.monotonic() - began:.1f} s"
-        )
-        job.wait_for_steps(back + 2)
-        (job.run_dir / "STOP").touch()
-        code, out, err = job.finish()
-    finally:
-        if job.process.poll() is None:
-            os.killpg(job.process.pid, signal.SIGKILL)
-            job.process.wait()
+    code, out, err = kill_a_rollout_engine_and_stop(job, "")
     assert code == STOPPED, out + err
     rows = job.rows()
     assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))  # none lost
@@ -238,11 +254,7 @@ def a_static_engine_restarts(tmp_path: Path, role: str, overrides: list[str]) ->
     console = job.run_dir / "rank0.log"
     try:
         job.wait_for_steps(2)
-        server = next(
-            p
-            for p in job.target("rank2").children(recursive=True)
-            if "sglang.launch_server" in " ".join(p.cmdline())
-        )
+        server = server_of(job, 2)
         os.killpg(server.pid, signal.SIGKILL)
         began = time.monotonic()
         serves_again = f"{role} engine 0 serves again (restarted, 1 of 3 restarts"
@@ -278,15 +290,6 @@ def test_a_dead_teacher_engine_restarts_and_the_job_goes_on(tmp_path):
 @pytest.mark.slow
 def test_a_dead_genrm_engine_restarts_and_the_job_goes_on(tmp_path):
     a_static_engine_restarts(tmp_path, "genrm", GENRM)
-
-
-def server_of(job: Job, rank: int) -> psutil.Process:
-    """The SGLang server a rank launched."""
-    return next(
-        p
-        for p in job.target(f"rank{rank}").children(recursive=True)
-        if "sglang.launch_server" in " ".join(p.cmdline())
-    )
 
 
 def test_dead_rollout_and_teacher_engines_come_back_in_the_fully_asynchronous_schedule(tmp_path):
@@ -360,22 +363,7 @@ def test_a_dead_rollout_engine_behind_sglang_router_leaves_its_workers_and_comes
     ready commits on it; no step is lost."""
     overrides = ["cluster.nproc_per_node=3", "rollout.ranks=2", "rollout.fault_tolerance=true"]
     job = Job(tmp_path, *overrides, "gateway.rollout_route_mode=router")
-    try:
-        job.wait_for_steps(3)
-        os.killpg(job.target("engine").pid, signal.SIGKILL)
-        began = time.monotonic()
-        back = job.wait_for_row(lambda row: row.get("rollout/engine_restarts") == 1)
-        print(
-            f"\nrollout engine SIGKILL behind sglang-router: serving again at step {back} after "
-            f"{time.monotonic() - began:.1f} s"
-        )
-        job.wait_for_steps(back + 2)
-        (job.run_dir / "STOP").touch()
-        code, out, err = job.finish()
-    finally:
-        if job.process.poll() is None:
-            os.killpg(job.process.pid, signal.SIGKILL)
-            job.process.wait()
+    code, out, err = kill_a_rollout_engine_and_stop(job, " behind sglang-router")
     assert code == STOPPED, out + err
     rows = job.rows()
     assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))  # none lost
