@@ -54,6 +54,8 @@ RUNTIME_DEPS += ["fastapi", "starlette", "aiohttp", "prometheus-client"]
 RUNTIME_DEPS += ["tensorboard", "matplotlib", "wandb"]
 # pyarrow: Parquet files and HF `datasets` directories as data.dataset (no `datasets` needed).
 RUNTIME_DEPS += ["pyarrow"]
+# apprise: logging.notify (Slack, email, webhooks, ... from one URL each).
+RUNTIME_DEPS += ["apprise"]
 # Mooncake's transfer engine moves KV caches between prefill and decode engines (its build
 # without CUDA here, SGLang's own choice on GPUs).
 MOONCAKE = {"cpu": ["mooncake-transfer-engine-non-cuda"], "gpu": ["mooncake-transfer-engine"]}
@@ -71,7 +73,15 @@ setup(
         "gpu": RUNTIME_DEPS + ["sglang"] + MOONCAKE["gpu"],
         # httpx: the tests' and benchmarks' own client, independent of the package's
         # peft: the tests load a LoRA run's adapter export as a PEFT model
-        "test": ["pytest", "pytest-asyncio", "pytest-timeout", "ruff", "schemathesis", "httpx"]
+        "test": [
+            "pytest",
+            "pytest-asyncio",
+            "pytest-timeout",
+            "pytest-xdist",
+            "ruff",
+            "schemathesis",
+            "httpx",
+        ]
         + ["peft"],
     },
     entry_points={

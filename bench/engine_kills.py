@@ -39,6 +39,7 @@ import psutil
 import yaml
 
 from relax_launch.deadline import wait_until
+from relax_launch.platform import sglang_server_module
 
 POLL_S = 0.2
 UP_TIMEOUT_S = 600.0  # the job to come up on 2 busy cores
@@ -50,6 +51,9 @@ SCHEDULES = {
     "async": ["algorithm.max_staleness=2"],
     "pd": ["rollout.ranks=2", "rollout.prefill={ranks: 2}"],
 }
+
+
+SERVER_MODULE = sglang_server_module("cpu")  # what an engine's server runs as
 
 
 def job_config(schedule: str) -> dict:
@@ -193,7 +197,7 @@ def server_at(url: str) -> psutil.Process:
     port = url.rsplit(":", 1)[1].split("/")[0]
     for p in psutil.process_iter(["cmdline"]):
         command = p.info["cmdline"] or []
-        if any("sglang.launch_server" in c for c in command) and port in command:
+        if any(SERVER_MODULE in c for c in command) and port in command:
             return p
     raise LookupError(f"no SGLang server listens at {url}")
 

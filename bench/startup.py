@@ -5,7 +5,8 @@ Runs ``relax-launch run CONFIG algorithm.num_steps=1`` and times, from the comma
 job's ``startup.json`` (seconds from the first rank process's start) and the critical path.
 Then, on the now quiet machine, starts one bare SGLang server of the rollout model with the
 config's engine arguments and times it to its first token: the floor a job cannot beat. Prints
-time to up / floor.
+time to up / floor. On the CPU the project's engines fork SGLang's subprocesses
+(``platform/forked_sglang.py``); the same bare engine as SGLang ships it (spawned) is timed too.
 
 Both are also measured in CPU work (the machine's busy core-seconds, from ``/proc/stat``, over
 the same interval): a start-up that keeps every core busy cannot end before its CPU work divided
@@ -28,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from relax_launch.config import load_config
+from relax_launch.config.job import JobConfig
 from relax_launch.inference.server import SGLangServer
 from relax_launch.models.build import ensure_model
 
@@ -54,15 +56,25 @@ def job_up(config: str, overrides: list[str], logs: Path) -> tuple[float, float,
     return up, time.monotonic() - start, work
 
 
-def bare_engine(config: str, overrides: list[str], logs: Path) -> tuple[float, float]:
+class ShippedSGLangServer(SGLangServer):
+    """The server as SGLang ships it: ``python -m sglang.launch_server``, subprocesses spawned."""
+
+    def command(self) -> list[str]:
+        command = super().command()
+        command[command.index("-m") + 1] = "sglang.launch_server"
+        return command
+
+
+def bare_engine(
+    job: JobConfig, logs: Path, server_class: type[SGLangServer] = SGLangServer
+) -> tuple[float, float]:
     """(seconds, busy core-seconds) from launching one SGLang server of the rollout model to
     its first token."""
-    job = load_config(config, overrides)
     engine = {**job.rollout.engine, "dtype": job.engine_dtype("rollout")}
-    server = SGLangServer(
+    server = server_class(
         model_path=ensure_model(job.rollout_model()),
         device=job.cluster.device,
-        log_path=logs / "bare-engine.log",
+        log_path=logs / f"bare-engine-{server_class.__name__}.log",
         engine=engine,
     )
     start, busy = time.monotonic(), busy_seconds()
@@ -79,7 +91,9 @@ def main(argv: list[str]) -> int:
         logs = Path(directory)
         up, total, work = job_up(config, overrides, logs)
         report = json.loads((logs / "startup.json").read_text())
-        floor, floor_work = bare_engine(config, overrides, logs)
+        job = load_config(config, overrides)
+        floor, floor_work = bare_engine(job, logs)
+        shipped, shipped_work = bare_engine(job, logs, ShippedSGLangServer)
     print(f"\n{'rank':<6}{'roles':<34}{'phase':<30}{'took s':>8}{'end s':>8}")
     for rank, entry in report["ranks"].items():
         for phase in entry["phases"]:
@@ -96,6 +110,10 @@ def main(argv: list[str]) -> int:
     print(f"command start -> job is up: {up:.1f} s (whole 1-step run {total:.1f} s)")
     print(f"floor, one bare engine of the rollout model to its first token: {floor:.1f} s")
     print(f"time to up / floor: {up / floor:.2f} (goal <= 1.3)")
+    print(
+        f"the same engine as SGLang ships it (subprocesses spawned): {shipped:.1f} s, "
+        f"{shipped_work:.1f} core-s; time to up / it: {up / shipped:.2f}"
+    )
     cores = len(os.sched_getaffinity(0))
     print(
         f"CPU work until up: job {work:.1f} core-s, bare engine {floor_work:.1f} core-s; on "

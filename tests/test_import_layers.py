@@ -25,6 +25,7 @@ LAYERS = {
     "run_dir": 0,  # relax_launch/run_dir.py: the files a run directory holds
     "deadline": 0,  # relax_launch/deadline.py: the end of every bounded wait
     "processes": 0,  # relax_launch/processes.py: whether a PID or a process group runs
+    "notify": 0,  # relax_launch/notify.py: the operator's notifications (Apprise)
     "placement": 1,
     "inference": 1,
     "weights": 1,

@@ -4,6 +4,8 @@ The console shows only what rank 0 writes for the operator; every rank's own out
 ``{run dir}/rank{R}.log`` and torchrun's to ``{run dir}/torchrun.log``. torchrun reports the
 first failed worker by rank and exit code; the plan maps that rank to its roles, so the user
 reads e.g. ``rank 2 (rollout[e0 head]) was killed by SIGKILL`` and the end of that rank's log.
+With ``cluster.max_restarts`` a failed job may instead start again from its newest checkpoint
+(``restarts.py`` decides; this command's loop runs it again).
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ from pathlib import Path
 
 import psutil
 
+from relax_launch.commands.restarts import (
+    Decision,
+    Restarts,
+    restart_cost,
+    restart_line,
+    resume_args,
+)
 from relax_launch.config.job import JobConfig
 from relax_launch.deadline import Deadline
 from relax_launch.inference.process import die_with_parent, free_port
+from relax_launch.notify import SEND_BOUND_S, Notifier
 from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.rl.checkpoints import Checkpoints
@@ -176,6 +186,43 @@ def run_local(
     explain a failure on stderr; returns the job's exit code (``EXIT_STOPPED`` when it stopped
     on request and can be resumed).
 
+    With ``cluster.max_restarts`` a failed job, once every process of it is gone, starts again
+    from its newest checkpoint when ``restarts.decide`` says so (one console line, a row of the
+    run's ``restarts.jsonl``); ``logging.notify`` hears of each restart and of how the job ended.
+    """
+    notifier = Notifier(job.logging.notify, job.name)
+    restarts = Restarts(job, time.time())
+    while True:
+        code, stop_asked = _run_torchrun(script, args, plan, job, timeout_s)
+        if (row := restarts.started_up()) is not None:
+            print(restart_cost(row), file=sys.stderr, flush=True)
+        cause = _failure(plan, job, code)
+        if cause is None:
+            return _success_or_stop(job, code, notifier)
+        if stop_asked:
+            decision = Decision(False, "relax-launch run was asked to stop")
+        else:
+            decision = restarts.decide(cause, code)
+        if not decision.restart:
+            return _report_failure(plan, job, args, code, cause, decision, notifier)
+        line = restart_line(cause, decision, job)
+        print(line, file=sys.stderr, flush=True)
+        notifier.send("restarted", line)
+        torchrun_log = job.log_dir / "torchrun.log"  # the next run's torchrun writes anew
+        os.replace(torchrun_log, torchrun_log.with_suffix(f".before-restart{decision.step}.log"))
+        args = resume_args(args)
+
+
+def _run_torchrun(
+    script: Path | str,
+    args: list[str],
+    plan: PlacementPlan,
+    job: JobConfig,
+    timeout_s: float | None,
+) -> tuple[int, bool]:
+    """One run of the job, until every process of it is gone: torchrun's exit code, and
+    whether this command was asked to stop meanwhile.
+
     The first Ctrl-C (or SIGTERM to this command) asks the job to stop: it writes the run's
     ``STOP`` file, which rank 0 acts on (``runtime/stop.py``); torchrun is not signalled, since it
     would give the ranks only 30 s. The second Ctrl-C kills it all now. If this command dies,
@@ -204,7 +251,7 @@ def run_local(
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             _stop_group(process, log_dir, marker)
-    return _outcome(plan, job, args, code)
+    return code, getattr(process, "stop_asked", False)
 
 
 def _ask_to_stop(process: subprocess.Popen, log_dir: Path, signum: int, marker: str) -> None:
@@ -223,18 +270,45 @@ def _ask_to_stop(process: subprocess.Popen, log_dir: Path, signum: int, marker: 
     )
 
 
-def _outcome(plan: PlacementPlan, job: JobConfig, args: list[str], code: int) -> int:
-    """The job's exit code, explained: rank 0's end record says how it ended, torchrun's
-    summary which rank failed when rank 0 could not say."""
+def _failure(plan: PlacementPlan, job: JobConfig, code: int) -> str | None:
+    """What failed, or None for a job that completed or stopped: rank 0's end record says how
+    it ended, torchrun's summary which rank failed when rank 0 could not say."""
     record = read_end_record(job.log_dir)
     if record is not None and record["state"] == "stopped":
-        return EXIT_STOPPED
+        return None
     if code == 0 and (record is None or record["state"] == "completed"):
-        return 0
+        return None
     cause = record["reason"] if record is not None and record["state"] == "failed" else None
     cause = cause or explain_failure(plan, _torchrun_output(job.log_dir))
-    advice = next_steps(job, args, cause or "")
-    print(failure_report(plan, job.log_dir, code, cause, advice), file=sys.stderr)
+    return cause or f"torchrun exited with code {code}"
+
+
+def _success_or_stop(job: JobConfig, code: int, notifier: Notifier) -> int:
+    """The exit code of a job that completed (0) or stopped on request (``EXIT_STOPPED``)."""
+    record = read_end_record(job.log_dir) or {"state": "completed", "reason": "every step ran"}
+    resume = f"; resume with: {record['resume']}" if record.get("resume") else ""
+    event = "stopped" if record["state"] == "stopped" else "finished"
+    notifier.send(event, f"{record['reason']}{resume} ({job.log_dir})", wait_s=SEND_BOUND_S)
+    return EXIT_STOPPED if event == "stopped" else 0
+
+
+def _report_failure(
+    plan: PlacementPlan,
+    job: JobConfig,
+    args: list[str],
+    code: int,
+    cause: str,
+    decision: Decision,
+    notifier: Notifier,
+) -> int:
+    """The failure explained on stderr, its last line (why it was not restarted, when
+    restarts are on; what to do next) to ``logging.notify``; returns the job's exit code."""
+    advice = next_steps(job, args, cause)
+    if job.cluster.max_restarts:
+        advice = f"not restarted: {decision.reason}; {advice}"
+    report = failure_report(plan, job.log_dir, code, cause, advice)
+    print(report, file=sys.stderr)
+    notifier.send("failed", report.splitlines()[-1], wait_s=SEND_BOUND_S)
     return 128 - code if code < 0 else code or 1  # killed by signal N: 128 + N, as a shell says
 
 

@@ -141,7 +141,7 @@ def render(
         f"#SBATCH --signal=B:USR1@{lead.seconds}",
         *_optional_directives(options),
         "",
-        *_body(plan, args, options, log_root, python),
+        *_body(plan, args, options, log_root, python, _supervised(job)),
     ]
     return "\n".join(lines) + "\n"
 
@@ -180,8 +180,19 @@ def _optional_directives(options: SbatchOptions) -> list[str]:
     return directives
 
 
+def _supervised(job: JobConfig) -> bool:
+    """Whether the script asks ``commands/supervise.py`` after each srun: to restart a failed
+    job (``cluster.max_restarts``) and to tell ``logging.notify`` how it ended."""
+    return bool(job.cluster.max_restarts or job.logging.notify)
+
+
 def _body(
-    plan: PlacementPlan, args: list[str], options: SbatchOptions, log_root: Path, python: str
+    plan: PlacementPlan,
+    args: list[str],
+    options: SbatchOptions,
+    log_root: Path,
+    python: str,
+    supervised: bool = False,
 ) -> list[str]:
     # Runs inside each srun task, where $SLURM_NODEID is the task's own node.
     agent = [
@@ -214,10 +225,7 @@ def _body(
         "# In a container, wrap the agent: srun --container-image=IMAGE ... (pyxis/enroot), with",
         "# the repository, model cache and checkpoint directory mounted at the same paths.",
         *agent,
-        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c agent &",
-        "srun_pid=$!",
-        "# a trapped signal interrupts wait: wait again until srun has really ended",
-        'while wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null; do :; done',
+        *(_supervised_srun(args, python) if supervised else _SRUN),
         *(
             [
                 'if [ "$code" -eq 75 ]; then',
@@ -229,6 +237,28 @@ def _body(
             else []
         ),
         'exit "$code"',
+    ]
+
+
+_SRUN = [
+    "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c agent &",
+    "srun_pid=$!",
+    "# a trapped signal interrupts wait: wait again until srun has really ended",
+    'while wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null; do :; done',
+]
+
+
+def _supervised_srun(args: list[str], python: str) -> list[str]:
+    """srun, then ``commands/supervise.py``: it tells logging.notify how the job ended and, for
+    a failure cluster.max_restarts allows, exits 0 to run srun again (the job resumes from its
+    newest checkpoint: checkpoint.resume=true)."""
+    decide = f"{shlex.quote(python)} -m relax_launch.commands.supervise"
+    return [
+        "while :; do",
+        *(f"  {line}" for line in _SRUN),
+        f'  {decide} "$code" {" ".join(_arg(a) for a in args)} || break',
+        '  export RELAX_JOB_STARTED="$(date +%s.%N)"  # the restarted job\'s STOP files',
+        "done",
     ]
 
 

@@ -1,9 +1,9 @@
 """``relax-launch status RUN_DIR|JOB_ID``: where a job is, from what it leaves behind.
 
 The run directory says most of it: ``end.json`` (how it ended), ``metrics.jsonl`` (the last
-step), ``gateway.json`` (its address), ``startup.json``. A live gateway adds its engines
-(``GET /{role}/engines``). A Slurm job id is turned into its run directory
-(``{logging.dir}/job-<id>``, beside the job's ``slurm-<id>.out``) and its Slurm state.
+step), ``gateway.json`` (its address), ``startup.json``, ``restarts.jsonl`` (its restarts). A
+live gateway adds its engines (``GET /{role}/engines``). A Slurm job id is turned into its run
+directory (``{logging.dir}/job-<id>``, beside the job's ``slurm-<id>.out``) and its Slurm state.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def job_status(run: str) -> dict[str, Any]:
     if end:
         status["end"] = end
     status["last_step"] = _last_line(run_dir / "metrics.jsonl")
+    restarts = run_dir / "restarts.jsonl"  # commands/restarts.py (cluster.max_restarts)
+    if restarts.is_file():
+        status["restarts"] = [json.loads(line) for line in restarts.read_text().splitlines()]
     gateway = read_json(run_dir / "gateway.json")
     if gateway:
         status["gateway"] = gateway["url"]
@@ -80,6 +83,12 @@ def render_status(status: dict[str, Any]) -> str:
             + ", ".join(
                 f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()
             )
+        )
+    if restarts := status.get("restarts"):
+        last = restarts[-1]
+        lines.append(
+            f"restarts: {len(restarts)}; the last from step {last['resumed_step']} after "
+            f"{last['cause']}"
         )
     if status.get("gateway"):
         lines.append(f"gateway: {status['gateway']}")

@@ -69,8 +69,7 @@ def render_reference() -> str:
             continue
         lines += [f"## `{name}`", "", (model.__doc__ or "").strip(), "", *_table(model), ""]
         for sub_name, sub_field in model.model_fields.items():
-            inner = typing.get_args(sub_field.annotation)
-            sub_model = _section_model(inner[0]) if inner else None
+            sub_model = _section_model(sub_field.annotation)  # X, X | None, tuple[X, ...]
             if sub_model is not None:
                 is_list = typing.get_origin(sub_field.annotation) in (tuple, list)
                 title = f"{name}.{sub_name}" + ("[]" if is_list else "")

@@ -15,7 +15,20 @@ def cross_section_problems(job: JobConfig) -> list[str]:
     problems += _static_fault_tolerance_problems(job)
     problems += _algorithm_problems(job) + _lora_problems(job)
     problems += _disaggregation_problems(job) + _micro_batch_problems(job)
+    problems += _restart_problems(job)
     return problems + _elastic_problems(job) + _optimizer_offload_problems(job)
+
+
+def _restart_problems(job: JobConfig) -> list[str]:
+    """A job restarted by itself resumes from its newest checkpoint: it must write some."""
+    restarts = job.cluster.max_restarts
+    if restarts and (job.checkpoint.dir is None or job.checkpoint.every_steps == 0):
+        return [
+            f"cluster.max_restarts={restarts} restarts the job from its newest checkpoint, but "
+            "it writes none while it runs: set checkpoint.dir and checkpoint.every_steps > 0 "
+            "(docs/operations.md sizes it), or cluster.max_restarts=0."
+        ]
+    return []
 
 
 def _elastic_problems(job: JobConfig) -> list[str]:

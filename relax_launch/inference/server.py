@@ -88,7 +88,7 @@ class SGLangServer(OwnedProcess):
         return [
             sys.executable,
             "-m",
-            "sglang.launch_server",
+            platform.sglang_server_module(self.device),
             "--model-path",
             self.model_path,
             "--host",

@@ -52,6 +52,23 @@ class ClusterConfig(Section):
         "on cpu and 600 s on cuda.",
     )
 
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="relax-launch run and sbatch's script: a job that fails (a rank, its node "
+        "or torchrun's agent died; an engine restart could not mend it) starts again by itself "
+        "from its newest checkpoint, at most this many times within restart_window_s; never "
+        "when it failed before its first checkpoint or the same way at the same step again. "
+        "Needs checkpoint.dir and checkpoint.every_steps. 0: a failure ends the job "
+        '(docs/operations.md, "Restarting a failed job by itself").',
+    )
+    restart_window_s: float = Field(
+        3600.0,
+        gt=0,
+        description="The window of cluster.max_restarts: restarts older than this many seconds "
+        "no longer count.",
+    )
+
     @field_validator("stop_lead_s")
     @classmethod
     def _lead_slurm_can_keep(cls, lead: float | str) -> float | str:

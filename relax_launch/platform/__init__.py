@@ -79,6 +79,12 @@ def sglang_env(device: Device, base: dict[str, str] | None = None) -> dict[str, 
     return env
 
 
+def sglang_server_module(device: Device) -> str:
+    """The module an SGLang server runs as (``python -m``): on the CPU, SGLang's own with its
+    subprocesses forked (``forked_sglang``: 2.5x fewer core-seconds to come up)."""
+    return "relax_launch.platform.forked_sglang" if device == "cpu" else "sglang.launch_server"
+
+
 def sglang_server_args(device: Device) -> list[str]:
     """SGLang server flags that depend only on the device."""
     if device == "cpu":

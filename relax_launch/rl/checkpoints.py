@@ -119,17 +119,23 @@ def checkpoint_due(ctx: RLContext, step: int, num_steps: int) -> bool:
 
 def save_checkpoint(ctx: RLContext, step: int, cursor: PromptCursor) -> None:
     """The trainer shards, then the controller's position (``cursor``: right after the prompts
-    of the last trained batch), then the completion marker."""
+    of the last trained batch), then the completion marker. A failure is told to
+    ``logging.notify`` before it is raised."""
     directory = ctx.checkpoints.prepare(step)
-    ctx.job.save_trainer(str(directory))
-    if ctx.exports is not None:  # what `relax-launch export` needs to convert it
-        ctx.exports.describe(directory)
-    state = {
-        "step": step,
-        "prompts": dataclasses.asdict(cursor),
-        "skipped_prompts": ctx.feed.skipped,
-    }
-    ctx.checkpoints.complete(step, state)
+    try:
+        ctx.job.save_trainer(str(directory))
+        if ctx.exports is not None:  # what `relax-launch export` needs to convert it
+            ctx.exports.describe(directory)
+        state = {
+            "step": step,
+            "prompts": dataclasses.asdict(cursor),
+            "skipped_prompts": ctx.feed.skipped,
+        }
+        ctx.checkpoints.complete(step, state)
+    except Exception as exc:
+        if ctx.notifier is not None:
+            ctx.notifier.send("checkpoint failed", f"step {step} in {directory}: {exc}")
+        raise
     operator_log().info(f"relax-launch: checkpoint of step {step} in {directory}")
 
 

@@ -198,6 +198,8 @@ class RLBatchWork:
         self.metrics |= sync(self.ctx, self.step, self.seconds)
 
     def generate(self) -> None:
+        with timed(self.seconds, "sync"):  # the parity probe, once the KV cache is back
+            self.ctx.job.check_parity()
         with self.ctx.job.stop.abandonable():
             self.samples, self.cursor = generate(self.ctx, self.seconds)
         self.rewarded = False
@@ -250,6 +252,7 @@ class EvalWork:
         self.ctx.job.sync_weights(self.version)
 
     def generate(self) -> None:
+        self.ctx.job.check_parity()  # the parity probe, once the KV cache is back
         with self.ctx.job.stop.abandonable():
             self.samples = self.ctx.evaluation.sample(self.ctx.job.engines)
 

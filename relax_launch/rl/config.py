@@ -11,9 +11,59 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
+from relax_launch.notify import url_problems
 
 BUILTIN_REWARDS = ("exact_numeric", "format")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class MismatchGuardConfig(Section):
+    """Bounds on a step's trainer-vs-engine metrics, and what a step beyond them does."""
+
+    action: Literal["stop", "warn", "off"] = Field(
+        "stop",
+        description="stop: end the job after the step, the cause on the last line. warn: log "
+        "it and count it in guard/tripped; the next sync's parity probe still checks the "
+        "engines. off: no check.",
+    )
+    logprob_diff_max: float | None = Field(
+        None,
+        gt=0,
+        description="On-policy steps (staleness 0): largest |trainer - engine| logprob of a "
+        "trained token allowed. Unset: 0.01 when trainer and rollout engines compute in "
+        "float32 (measured up to 3.5e-5), else no bound.",
+    )
+    mismatch_kl: float | None = Field(
+        None,
+        gt=0,
+        description="On-policy steps: the mean k3 KL(engine || trainer) per token allowed. "
+        "Unset: 1e-4 in float32 (measured below 1e-6), else no bound.",
+    )
+    off_policy_mismatch_kl: float | None = Field(
+        1.0,
+        gt=0,
+        description="Steps with stale samples (off_policy_steps, max_staleness): the mean k3 "
+        "KL(engine || trainer) of the importance ratios allowed (measured up to 0.13 at lr 1e-2 "
+        "one version stale; an engine with wrong weights shows about 3). null: no bound.",
+    )
+
+
+class ControlConfig(Section):
+    """Closed-loop control of the fully asynchronous schedule's staleness bound."""
+
+    tighten_above: float = Field(
+        0.01,
+        gt=0,
+        description="A step with stale samples whose mismatch_kl is above this lowers the "
+        "bound (max_staleness) by one, to 1 at least.",
+    )
+    relax_below: float = Field(
+        0.002,
+        gt=0,
+        description="After `patience` steps in a row with mismatch_kl below this, the bound "
+        "rises by one, up to algorithm.max_staleness.",
+    )
+    patience: int = Field(2, ge=1, description="Calm steps before the bound is relaxed.")
 
 
 class AlgorithmConfig(Section):
@@ -114,6 +164,18 @@ class AlgorithmConfig(Section):
         "keeps the version that produced it); samples older than k versions are not trained "
         "on. 0: off (see off_policy_steps).",
     )
+    control: ControlConfig | None = Field(
+        None,
+        description="Opt-in closed-loop control (max_staleness >= 1): tighten the staleness "
+        "bound when the stale samples' mismatch grows, relax it when it falls, each change "
+        "logged once and in control/max_staleness. Unset: the bound stays max_staleness.",
+    )
+    mismatch_guard: MismatchGuardConfig = Field(
+        default_factory=MismatchGuardConfig,
+        description="Stop (or warn) when a step's samples were scored by the engines far from "
+        "the trainer: logprob_diff_max and mismatch_kl on-policy, the importance ratios' KL "
+        "off-policy.",
+    )
 
     @model_validator(mode="after")
     def _dependent_knobs_act(self) -> AlgorithmConfig:
@@ -121,6 +183,7 @@ class AlgorithmConfig(Section):
         needs = {
             "dynamic_sampling_max_rounds": ("dynamic_sampling", self.dynamic_sampling),
             "overlong_penalty": ("overlong_buffer_tokens", self.overlong_buffer_tokens > 0),
+            "control": ("max_staleness", self.max_staleness > 0),
         }
         for knob, (switch, on) in needs.items():
             if knob in self.model_fields_set and not on:
@@ -254,6 +317,21 @@ class LoggingConfig(Section):
         description="Also log the per-step metrics to Weights & Biases, e.g. "
         "{project: my-project, mode: offline}; unset: off.",
     )
+
+    notify: list[str] = Field(
+        [],
+        description="Apprise URLs (https://github.com/caronc/apprise/wiki: slack://, mailto://, "
+        "json://host:port for a webhook, ...) told when the job is up, finished, failed (with "
+        "its last line), stopped, restarted by itself (cluster.max_restarts), or a checkpoint "
+        "failed. A failed notification is logged and never fails the job.",
+    )
+
+    @field_validator("notify")
+    @classmethod
+    def _urls_apprise_can_use(cls, urls: list[str]) -> list[str]:
+        if problems := url_problems(urls):
+            raise ValueError("; ".join(problems))
+        return urls
 
     @field_validator("wandb")
     @classmethod

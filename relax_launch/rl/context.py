@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from relax_launch.notify import Notifier
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.config import AlgorithmConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream, prompt_ids
@@ -15,6 +16,7 @@ from relax_launch.rl.data_config import DataConfig
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.exports import PolicyExports
 from relax_launch.rl.interfaces import Job
+from relax_launch.rl.mismatch_guard import MismatchGuard
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
@@ -78,6 +80,8 @@ class RLContext:
     rollout_wait_s: float = 900.0
     evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
     exports: PolicyExports | None = None  # Hugging Face exports during the run
+    guard: MismatchGuard | None = None  # algorithm.mismatch_guard (None: off)
+    notifier: Notifier | None = None  # logging.notify: rank 0's events (up, checkpoint failed)
 
     @property
     def spec(self) -> LossSpec:

@@ -11,16 +11,19 @@ from typing import Any
 from relax_launch.config.job import JobConfig
 from relax_launch.console import operator_log
 from relax_launch.models.build import ensure_model
+from relax_launch.notify import Notifier
 from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.colocated import Colocated
 from relax_launch.rl.context import PromptFeed, RLContext
+from relax_launch.rl.control import StalenessControl
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.exports import PolicyExports
 from relax_launch.rl.interfaces import Job
+from relax_launch.rl.mismatch_guard import MismatchGuard
 from relax_launch.rl.phases import (
     collect_once,
     collect_until_signal,
@@ -55,6 +58,10 @@ def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
         with contextlib.closing(log):  # on success run() has closed it already
             session.bring_up(start, log_dir)
             ctx = rl_context(job, session, stream, log, checkpoints, skipped)
+            resumed = f", resumed from the checkpoint of step {start}" if start else ""
+            ctx.notifier.send(
+                "up", f"training steps {start + 1}-{job.algorithm.num_steps}{resumed} ({log_dir})"
+            )
             schedule, between_steps = choose_schedule(job, ctx, start)
             return run(ctx, schedule, job.algorithm.num_steps, log_dir, start, between_steps)
 
@@ -104,6 +111,10 @@ def rl_context(
         rollout_wait_s=job.rollout_wait_s(),
         evaluation=evaluation,
         exports=policy_exports(job),
+        guard=MismatchGuard.of(
+            job.algorithm.mismatch_guard, job.trainer.dtype, job.engine_dtype("rollout")
+        ),
+        notifier=Notifier(job.logging.notify, job.name),
     )
 
 
@@ -131,7 +142,8 @@ def choose_schedule(
         coordinator = ctx.job.coordinator(job.placement.operation_timeout_s, log_path)
         return Colocated(ctx, coordinator, a.num_steps), None
     if a.max_staleness:
-        return FullyAsync(ctx, continuous_rollout(job, ctx, start)), ctx.evaluation
+        control = StalenessControl(a.control, a.max_staleness) if a.control else None
+        return FullyAsync(ctx, continuous_rollout(job, ctx, start), control), ctx.evaluation
     if a.off_policy_steps:
         return OffPolicy(ctx, a.num_steps), ctx.evaluation
     return Synchronous(ctx), ctx.evaluation

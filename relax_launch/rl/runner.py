@@ -112,9 +112,12 @@ def run_steps(
             ended = clock()
             result.metrics |= step_times(result.seconds, ended - began)
             began = ended
+            mismatch = ctx.guard.judge(result.metrics) if ctx.guard is not None else None
             history.append(result.metrics)
             ctx.log.write(result.metrics)
             progress.step(result.metrics)
+            if mismatch is not None:  # the step is on record; the job ends on its cause
+                raise mismatch
     return None, num_steps, cursor
 
 

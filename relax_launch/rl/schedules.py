@@ -23,6 +23,7 @@ from typing import Protocol
 
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.context import RLContext, StepResult
+from relax_launch.rl.control import StalenessControl
 from relax_launch.rl.interfaces import StepAbandoned
 from relax_launch.rl.phases import (
     RolloutBatch,
@@ -97,8 +98,10 @@ class OffPolicy:
 class FullyAsync:
     """Steps take finished groups from a rollout that never stops (see the module docstring)."""
 
-    def __init__(self, ctx: RLContext, rollout: ContinuousRollout) -> None:
-        self.ctx, self.rollout = ctx, rollout
+    def __init__(
+        self, ctx: RLContext, rollout: ContinuousRollout, control: StalenessControl | None = None
+    ) -> None:
+        self.ctx, self.rollout, self.control = ctx, rollout, control  # control: algorithm.control
         ctx.job.stop.listeners.append(lambda why: rollout.close())  # a stop ends generation
         rollout.start()
 
@@ -110,8 +113,7 @@ class FullyAsync:
             with stop.abandonable():
                 batch = ctx.collect(ctx, seconds, self.finished_groups)
             stop.check()
-            bound = ctx.algorithm.max_staleness
-            stale = drop_stale(batch.samples, trainer_version=step, bound=bound)
+            stale = drop_stale(batch.samples, trainer_version=step, bound=self.rollout.k)
             metrics = train(ctx, batch.samples, seconds)
             phase.busy_s, phase.waited_s = self.rollout.busy_seconds(), seconds["rollout"]
         if not stop.requested():
@@ -123,6 +125,9 @@ class FullyAsync:
             finally:
                 self.rollout.resume(synced)
         row = step_record(ctx, step, batch, metrics, stale)
+        if self.control is not None:  # the bound the producer and the next step keep to
+            row |= self.control.after_step(row)
+            self.rollout.k = self.control.bound
         return StepResult(row | self.async_metrics(step, batch.samples), batch.cursor, seconds)
 
     def finished_groups(

@@ -44,6 +44,7 @@ from relax_launch.runtime.job_end import (
     end_stopped_after_steps,
 )
 from relax_launch.runtime.network import configure_network, node_address
+from relax_launch.runtime.parity_probe import probe_for
 from relax_launch.runtime.rank_output import route_rank_output
 from relax_launch.runtime.session import Session
 from relax_launch.runtime.staggered_start import start_in_waves
@@ -259,6 +260,8 @@ def run_controller(
         adapters=adapter_serving(job),
         autoscale={r: s for r, s in job.inference_roles().items() if s.autoscale is not None},
     )
+    adapters = session.weights.adapters is not None
+    session.weights.probe = probe_for(job, plan, session.trainer.logprobs, adapters=adapters)
     try:
         result = program(session)
     except JobStopped as stopped:

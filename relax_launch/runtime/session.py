@@ -164,6 +164,9 @@ class Session:
     def sync_weights(self, weight_version: int) -> list[dict[str, Any]]:
         return self.weights.sync(weight_version)
 
+    def check_parity(self) -> None:
+        self.weights.check_parity()
+
     def engine_metrics(self) -> dict[str, float]:
         """Rollout membership, elastic roles' engines and autoscaler decisions, and the
         engines of fault-tolerant teacher and genrm roles."""

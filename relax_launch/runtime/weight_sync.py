@@ -35,6 +35,7 @@ from relax_launch.placement.plan import (
 )
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command, RemoteError
 from relax_launch.runtime.engine_restart import PROBE_S, RolloutMembership, engine_alive
+from relax_launch.runtime.parity_probe import ParityProbe
 from relax_launch.runtime.rank_commands import ConnectWeights, ExportAdapter, SendWeights
 from relax_launch.runtime.router_restarts import RouterRestarts
 from relax_launch.weights.adapter_sync import (
@@ -79,6 +80,8 @@ class WeightSync:
         self.plan, self._call, self.urls, self.rollout = plan, call, urls, rollout
         self.store, self.timeout_s, self.adapters = store, timeout_s, adapters
         self.sync_targets: list[EngineTarget] = []
+        self.halves: list[str | None] = []  # each target's disaggregated half (None: whole)
+        self.probe: ParityProbe | None = None  # weight_sync.parity_probe, set by the runtime
         self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
         self.membership: RolloutMembership | None = None  # rollout.fault_tolerance only
@@ -104,6 +107,7 @@ class WeightSync:
             )
             for index, offset in offsets
         ]
+        self.halves = [rollout[index].disaggregation for index, _ in offsets]
         self._sync_groups += 1
         groups = self.plan.weight_sync_groups if self.adapters is None else ()
         for group in groups:  # every group reaches the same engines
@@ -151,8 +155,10 @@ class WeightSync:
         return urls
 
     def metrics(self) -> dict[str, float]:
-        """Rollout engines serving and restarts taken back (``rollout.fault_tolerance``)."""
-        return self.membership.metrics() if self.membership is not None else {}
+        """Rollout engines serving and restarts taken back (``rollout.fault_tolerance``), and
+        the last parity probe's gap and seconds."""
+        metrics = self.membership.metrics() if self.membership is not None else {}
+        return metrics | (self.probe.last if self.probe is not None else {})
 
     def sync(self, weight_version: int) -> list[dict[str, Any]]:
         """Push the trainer's weights to every rollout engine in routing as ``weight_version``,
@@ -174,6 +180,9 @@ class WeightSync:
                 rollout.weights_updating()
             try:
                 reports = self._sync_whole(weight_version)
+                if self.probe is not None:  # before the commit: a failing engine never serves
+                    targets = list(zip(self.sync_targets, self.halves, strict=True))
+                    self.probe.after_sync(weight_version, targets, reports, self.engine_control)
             except BaseException as exc:
                 if rollout is not None:
                     rollout.weights_lost(f"the sync to version {weight_version} failed: {exc}")
@@ -182,6 +191,19 @@ class WeightSync:
                 rollout.weights_committed(weight_version)
             self.weight_version = weight_version
             return reports
+
+    def check_parity(self) -> None:
+        """A colocated sync's engines score the probe once their KV cache is back
+        (``runtime/parity_probe.py``); a gap beyond the tolerance closes the rollout model as
+        a failed sync does, and is raised."""
+        if self.probe is None:
+            return
+        try:
+            self.probe.check_engines(self.engine_control)
+        except BaseException as exc:
+            if self.rollout is not None:
+                self.rollout.weights_lost(str(exc).splitlines()[0])
+            raise
 
     def _sync_whole(self, weight_version: int) -> list[dict[str, Any]]:
         if self.membership is not None and (members := self.membership.before_sync()):

@@ -52,6 +52,8 @@ READERS: dict[str, tuple[str, ...]] = {
         "runtime/job.py",
         "runtime/engines.py",
         "placement/memory_plan.py",
+        "commands/restarts.py",
+        "config/rules.py",
     ),
     "placement": ("placement/planner.py", "rl/program.py", "config/job.py"),
     "trainer": (
@@ -65,7 +67,8 @@ READERS: dict[str, tuple[str, ...]] = {
     "teacher": ROLE_READERS,
     "genrm": ROLE_READERS,
     "gateway": ("inference/control_plane.py", "inference/gateway.py", "runtime/job.py"),
-    "weight_sync": ("runtime/job.py",),
+    "weight_sync": ("runtime/job.py", "runtime/parity_probe.py"),
+    "weight_sync.parity_probe": ("runtime/parity_probe.py", "weights/parity.py"),
     "algorithm": ("rl/", "placement/planner.py"),
     "data": ("rl/data.py", "rl/context.py", "rl/program.py", "placement/planner.py"),
     "eval": ("rl/evaluation.py", "rl/program.py"),
@@ -84,7 +87,13 @@ READERS: dict[str, tuple[str, ...]] = {
     "rollout.autoscale": AUTOSCALE_READERS,
     "teacher.autoscale": AUTOSCALE_READERS,
     "genrm.autoscale": AUTOSCALE_READERS,
-    "logging": ("rl/program.py", "rl/report.py", "runtime/job.py", "runtime/engines.py"),
+    "logging": (
+        "rl/program.py",
+        "rl/report.py",
+        "runtime/job.py",
+        "runtime/engines.py",
+        "commands/launcher.py",
+    ),
     "logging.wandb": ("rl/report.py",),
 }
 

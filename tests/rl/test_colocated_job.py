@@ -106,6 +106,7 @@ def assert_engine_served_the_trainers_weights(steps: list[dict]) -> None:
     zeros for the embeddings, norms and head: logprob gaps of 13-18 in fp32)."""
     for step in steps:  # the engine generated with exactly the trainer's weights
         assert step["logprob_diff_max"] < 1e-3 and step["mismatch_kl"] < 1e-6, step
+        assert step["sync/parity_gap"] < 1e-4 and step["guard/tripped"] == 0, step  # issue 50
 
 
 def test_split_job_runs_its_slices_together_then_trains(tmp_path):

@@ -2,9 +2,9 @@
 reserved for a second judge engine (``genrm.max_engines: 2``), driven from outside through its
 gateway while it trains.
 
-Under a burst of judge requests the test scales genrm 1 -> 2 by the API (the new engine answers
-judge requests once routable), scales it back to 1 with requests in flight (every request sent
-is answered, none lost), and the autoscaler then scales it out again on the burst's load. Each
+Under a burst of judge requests the autoscaler scales genrm 1 -> 2 on its load (the new engine
+answers judge requests once routable), and the API scales it back to 1 with requests in flight
+(every request sent is answered, none lost). Each
 error of the scale routes is asked for (401, 422, 400, 404, 409). The job is stopped at the end:
 it exits as stopped and leaves no process (the scaled-out server is stopped by its PID).
 
@@ -109,7 +109,7 @@ def routable(gateway: str) -> list[str]:
     return [e["engine_id"] for m in discovery["models"].values() for e in m["engines"]]
 
 
-def test_genrm_scales_out_and_in_by_the_api_and_the_autoscaler(tmp_path):
+def test_genrm_scales_out_by_the_autoscaler_and_in_by_the_api(tmp_path):
     run_dir = tmp_path / "run"
     console = tmp_path / "console.txt"
     cli = Path(sys.executable).with_name("relax-launch")
@@ -140,24 +140,28 @@ def test_genrm_scales_out_and_in_by_the_api_and_the_autoscaler(tmp_path):
         missing = httpx.get(f"{gateway}/genrm/scale_out/0123456789abcdef", headers=AUTH)
         assert missing.status_code == 404
 
-        # 1 -> 2 by the API; while it runs, the same target and any other operation are 409
-        reply = scale(gateway, "scale_out", {"num_replicas": 2})
-        assert reply.status_code == 202, reply.text
-        out_id = reply.json()["request_id"]
+        # a burst: the autoscaler scales out on its load; while that runs, the same target and
+        # any other operation are 409
+        burst = Burst(gateway, workers=8)
+        log = run_dir / "autoscaler.jsonl"
+        decision = wait_for("the autoscaler's scale-out", lambda: _decisions(log), 300)[0]
+        assert decision["decision"] == "scale_out" and (decision["from"], decision["to"]) == (1, 2)
+        assert decision["load"]["in_flight"] >= 5, decision
         again = scale(gateway, "scale_out", {"num_replicas": 2})
         assert again.status_code == 409 and "the same target" in again.json()["error"]["message"]
         assert scale(gateway, "scale_in", {"num_replicas": 1}).status_code == 409
-        done = finished(gateway, "scale_out", out_id)
-        assert done["state"] == "succeeded" and done["actual"] == 2, done
-        assert [r["state"] for r in done["replicas"]] == ["serving"], done
+        view = top_once(run_dir)  # the operation in flight, as the operator sees it
+        assert "genrm scale_out 1 -> 2 (autoscaler" in view, view
+        assert "step " in view and "reward" in view and "rollout" in view, view
+        done = finished(gateway, "scale_out", decision["request_id"])
+        assert done["state"] == "succeeded" and done["source"] == "autoscaler", done
+        assert done["actual"] == 2 and [r["state"] for r in done["replicas"]] == ["serving"], done
         assert sorted(routable(gateway)) == ["tiny-llama/0", "tiny-llama/1"]
-
-        # a burst: the new engine answers judge requests
-        burst = Burst(gateway, workers=12)
         wait_for("the new engine's answers", lambda: replicas(gateway)[1]["answered"] >= 5, 120)
 
-        # 2 -> 1 with requests in flight, drained for 0.05 s only: what is left is sent to the
-        # other engine when the server stops, none is lost (a graceful drain: test_scaling.py)
+        # 2 -> 1 by the API with requests in flight, drained for 0.05 s only: what is left is
+        # sent to the other engine when the server stops, none is lost (a graceful drain:
+        # test_scaling.py). The autoscaler's cooldown keeps it from scaling out again.
         on_new = lambda: replicas(gateway)[1]["in_flight"] > 2  # noqa: E731
         wait_for("requests on the new engine", on_new, 60, 0.05)
         reply = scale(gateway, "scale_in", {"num_replicas": 1, "timeout_secs": 0.05})
@@ -169,17 +173,6 @@ def test_genrm_scales_out_and_in_by_the_api_and_the_autoscaler(tmp_path):
         assert routable(gateway) == ["tiny-llama/0"]
         live = watch_top(gateway, seconds=4)  # relax-launch top in a pseudo-terminal
         assert "tiny-llama/0" in live and "serving" in live and "reserved" in live, live
-
-        # the burst goes on: the autoscaler scales out again on its load
-        log = run_dir / "autoscaler.jsonl"
-        decision = wait_for("the autoscaler's scale-out", lambda: _decisions(log), 300)[0]
-        assert decision["decision"] == "scale_out" and (decision["from"], decision["to"]) == (1, 2)
-        view = top_once(run_dir)  # the operation in flight, as the operator sees it
-        assert "genrm scale_out 1 -> 2 (autoscaler" in view, view
-        assert "step " in view and "reward" in view and "rollout" in view, view
-        assert decision["load"]["in_flight"] >= 5, decision
-        done = finished(gateway, "scale_out", decision["request_id"])
-        assert done["state"] == "succeeded" and done["source"] == "autoscaler", done
         burst.stop()
         assert burst.failures == [], burst.failures[:5]
         assert burst.answered == burst.sent > 0
@@ -195,9 +188,7 @@ def test_genrm_scales_out_and_in_by_the_api_and_the_autoscaler(tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(row.get("genrm/engines") == 2 for row in metrics), metrics[-1]
     operations = (run_dir / "scaling.jsonl").read_text().splitlines()
-    assert [json.loads(line)["operation"] for line in operations] == [
-        "scale_out", "scale_in", "scale_out"
-    ]  # fmt: skip
+    assert [json.loads(line)["operation"] for line in operations] == ["scale_out", "scale_in"]
 
 
 def top_once(run_dir: Path) -> str:

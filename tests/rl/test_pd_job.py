@@ -34,6 +34,7 @@ from harness.processes import TEST_TAG, processes_tagged, seconds_until_gone
 from test_rl_job import run_tiny
 
 from relax_launch.models.build import ensure_model
+from relax_launch.platform import sglang_server_module
 from relax_launch.platform.nccl_semantics import SLOW_BROADCAST_ENV
 
 pytestmark = pytest.mark.e2e
@@ -43,6 +44,9 @@ TOLERANCE = 1e-4  # fp32 trainer vs fp32 engine
 SLOW_REWARD = "reward.sources=[{name: slow, function: 'slow_reward:slow'}]"
 EXACT = "{name: answer, function: 'builtin:exact_numeric'}"
 ALL_GONE_S = 30.0
+
+
+SERVER_MODULE = sglang_server_module("cpu")  # what an engine's server runs as
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -96,7 +100,7 @@ class PdJob:
         group)."""
         for p in processes_tagged(self.tag):
             command = " ".join(p.cmdline())
-            if "sglang.launch_server" in command and f"--disaggregation-mode {half}" in command:
+            if SERVER_MODULE in command and f"--disaggregation-mode {half}" in command:
                 return p.pid
         raise LookupError(f"no {half} server among the job's processes")
 

@@ -103,9 +103,15 @@ ADAPTER = "trainer.lora.engines=adapter"
         ),
         # Qwen3: 2 layers x (fused qkv, q/k norms, o, fused gate_up, down, 2 norms) +
         # embeddings, final norm, lm_head; the trainer has DP=2.
-        ("split_2rank.yaml", 1, "bucket", "tiny-qwen3", 19, ()),
+        # (slow: split's bucket sync runs in tests/rl/test_colocated_job.py, the Qwen3 layout in
+        # the MoE job of tests/rl/test_moe_job.py, both with the parity probe after each sync)
+        pytest.param("split_2rank.yaml", 1, "bucket", "tiny-qwen3", 19, (), marks=pytest.mark.slow),
         # LoRA on every linear, trainer TP=2: only the 2 x 4 targeted weights go, merged.
-        ("decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 8, LORA),
+        # (slow: a merged LoRA sync, probed for parity, runs in the split job of
+        # tests/rl/test_colocated_job.py)
+        pytest.param(
+            "decoupled_4rank.yaml", 2, "broadcast", "tiny-qwen2", 8, LORA, marks=pytest.mark.slow
+        ),
         # LoRA served as an adapter: 2 layers x 7 projections x (A, B) in PEFT's layout
         ("decoupled_4rank.yaml", 2, "adapter", "tiny-qwen2", 28, (*LORA, ADAPTER)),
     ],

@@ -25,11 +25,15 @@ import pytest
 from harness.processes import TEST_TAG, processes_tagged
 
 from relax_launch.inference.engine_load import engine_load
+from relax_launch.platform import sglang_server_module
 
 pytestmark = pytest.mark.e2e
 CONFIG = Path(__file__).parent / "lifecycle_tiny.yaml"
 ALL_GONE_S = 30.0  # the promise: every process of the job gone within this
 STOPPED = 75
+
+
+SERVER_MODULE = sglang_server_module("cpu")  # what an engine's server runs as
 
 
 class Job:
@@ -66,7 +70,7 @@ class Job:
             if what.startswith("rank") and "relax_launch.launch" in command:
                 if env.get("RANK") == what[4:] and "sglang" not in command:
                     return p
-            if what == "engine" and "sglang.launch_server" in command:
+            if what == "engine" and SERVER_MODULE in command:
                 return p
         raise LookupError(f"no {what} process among {self.describe()}")
 
@@ -122,6 +126,7 @@ def last_line(console: str) -> str:
     return console.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # in the default run: a dead prefill engine's, tests/rl/test_pd_job.py
 def test_a_dead_engine_server_ends_the_job_and_names_it(tmp_path):
     _, seconds, code, console = end_by(tmp_path, "engine", signal.SIGKILL)
     assert seconds < ALL_GONE_S
@@ -138,7 +143,14 @@ def test_a_dead_engine_server_ends_the_job_and_names_it(tmp_path):
 @pytest.mark.parametrize(
     "what,signum,cause",
     [
-        ("rank1", signal.SIGKILL, "rank 1 (rollout[e0 head], node 0) died"),
+        # slow: a killed trainer rank is named, and every process stopped, before the restart
+        # of tests/runtime/test_restart_job.py
+        pytest.param(
+            "rank1",
+            signal.SIGKILL,
+            "rank 1 (rollout[e0 head], node 0) died",
+            marks=pytest.mark.slow,
+        ),
         # the controller (it writes no end record): torchrun's summary names it
         pytest.param(
             "rank0",
@@ -201,7 +213,7 @@ def server_of(job: Job, rank: int) -> psutil.Process:
     return next(
         p
         for p in job.target(f"rank{rank}").children(recursive=True)
-        if "sglang.launch_server" in " ".join(p.cmdline())
+        if SERVER_MODULE in " ".join(p.cmdline())
     )
 
 

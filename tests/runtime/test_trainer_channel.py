@@ -52,7 +52,13 @@ def run_job(
 
 @pytest.mark.parametrize(
     ("first", "tp", "dp", "pp", "cp"),
-    [(1, 2, 2, 1, 1), (0, 1, 2, 2, 1), (1, 1, 2, 1, 2)],
+    [
+        # slow: the RL jobs of tests/rl deliver batches to TP=2 (the adapter job), DP=2 (the
+        # loss family) and PP=2 (three roles) trainers; the store's footprint is asserted here
+        pytest.param(1, 2, 2, 1, 1, marks=pytest.mark.slow),
+        pytest.param(0, 1, 2, 2, 1, marks=pytest.mark.slow),
+        (1, 1, 2, 1, 2),
+    ],
     ids=["controller-apart-tp2-dp2", "controller-is-a-trainer-dp2-pp2", "controller-apart-cp2-dp2"],
 )
 def test_each_dp_rank_gets_only_its_shard_and_the_store_stays_flat(

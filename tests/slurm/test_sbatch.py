@@ -90,3 +90,36 @@ def test_scancel_leaves_a_checkpoint_and_the_same_command_resumes(slurm, tmp_pat
     assert [json.loads(row)["step"] for row in rows] == [done + 1, done + 2]
     assert f"resuming from {end['checkpoint']}" in (tmp_path / f"slurm-{again}.out").read_text()
     print(f"\nscancel after step {done}: every process gone in {gone:.1f} s")
+
+
+def test_a_killed_rank_restarts_the_job_within_its_allocation(slurm, tmp_path):
+    """cluster.max_restarts under Slurm: rank 1 SIGKILLed after step 3's checkpoint; the
+    script's loop asks commands/supervise.py, which restarts srun, and the job completes its 6
+    steps from the checkpoint (exit 0), its restart in restarts.jsonl and slurm-<id>.out."""
+    job = sbatch(
+        slurm,
+        str(LIFECYCLE),
+        f"logging.dir={tmp_path}",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "checkpoint.every_steps=1",
+        "algorithm.num_steps=6",
+        "cluster.max_restarts=1",
+    )
+    run_dir = tmp_path / f"job-{job}"
+    wait_for_steps(run_dir, 3, job, slurm, 600)
+    tag = os.environ[TEST_TAG]
+    [rank1] = [
+        p
+        for p in processes_tagged(tag)
+        if "relax_launch.launch" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"
+    ]
+    rank1.kill()
+    assert slurm.wait(job, 600) == "COMPLETED", slurm.show_job(job)
+    assert slurm.exit_code(job) == 0
+    [record] = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert record["cause"].startswith("rank 1 (rollout[e0 head], node 0) died"), record
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    console = (tmp_path / f"slurm-{job}.out").read_text()
+    assert f"restarting the job from the checkpoint of step {record['resumed_step']}" in console
+    assert "finished 6 steps" in console

@@ -142,6 +142,8 @@ def assert_same(out: Path, model: str, variants: list[str]) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # in the default run: CP's weights, test_distributed_optimizer_cpu.py; any
+# micro-batching's gradient, test_loss_aggregation_cpu.py; packed rows in a job, test_moe_job.py
 def test_budget_packing_and_context_parallelism_compute_the_same_step(venv_env, tmp_path):
     """A dense and a mixture-of-experts model: fixed micro-batches, a budget, packed rows (by
     budget and by count) on one rank; CP=2, DP=2 with a budget, PP=2 packed on two; the MoE

@@ -8,6 +8,12 @@ reading nothing (SIGSTOP): the trainer's broadcast fills the socket buffers towa
 stalls, so the other engines have received part of the weights only. A helper process SIGKILLs
 the victim's whole process group ``$RELAX_TEST_FAULT_KILL_S`` (default 3) seconds later.
 Without ``RELAX_TEST_FAULT_AT`` it does nothing.
+
+With ``RELAX_TEST_CORRUPT_AT`` = V, every engine that takes weight version V adds noise to
+one of its parameters right after the update (an engine that took other weights than the
+trainer sent, as a broken LoRA merge or layout would leave it): what the parity probe after
+every sync (``runtime/parity_probe.py``) must catch. Test-only: nothing outside ``tests/``
+reads the variable.
 """
 
 from __future__ import annotations
@@ -20,11 +26,31 @@ UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeig
 
 
 def register() -> None:
-    if not os.environ.get("RELAX_TEST_FAULT_AT"):
-        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(f"{UPDATER}.update_weights_from_distributed", die, HookType.AROUND)
+    if os.environ.get("RELAX_TEST_FAULT_AT"):
+        HookRegistry.register(f"{UPDATER}.update_weights_from_distributed", die, HookType.AROUND)
+    if os.environ.get("RELAX_TEST_CORRUPT_AT"):
+        version_set = f"{UPDATER}.record_weight_version_after_update"
+        HookRegistry.register(version_set, corrupt, HookType.AROUND)
+
+
+def corrupt(original, manager, weight_version):
+    """After the engine records ``weight_version``: noise on its first 2-D layer weight."""
+    original(manager, weight_version)
+    if weight_version != os.environ["RELAX_TEST_CORRUPT_AT"]:
+        return
+    import torch
+
+    model = manager.tp_worker.model_runner.model
+    name, weight = next(
+        (n, p) for n, p in model.named_parameters() if "layers.0." in n and p.dim() == 2
+    )
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(weight.shape, generator=generator, dtype=torch.float32)
+    with torch.no_grad():
+        weight.add_(noise.to(weight.device, weight.dtype) * weight.float().std() * 0.5)
+    print(f"relax-test: corrupted {name} at weight version {weight_version}", flush=True)
 
 
 def die(original, manager, request):

@@ -1,0 +1,183 @@
+"""The parity probe after every weight sync (``weight_sync.parity_probe``; decisions in
+``weights/parity.py``): rank 0 has the trainer score a fixed probe with the weights it just
+sent, and every synced rollout engine score the same tokens, before the engines serve the
+version. A gap beyond the tolerance raises ``ParityError`` inside ``WeightSync.sync``, which
+then keeps the rollout model out of routing, as after a failed broadcast, and the job ends.
+
+Decoupled engines are probed inside the sync, before its commit. Colocated engines (``split``,
+``defer``) hold no KV cache during their sync turn, so the trainer scores the probe in the sync
+(its parameters are still on the device) and the engines right after their KV cache is back,
+before the batch's first generation (``check_engines``, from ``rl/colocated.py``).
+
+A disaggregated pair's prefill half scores the probe alone (SGLang's partner-less bootstrap);
+its decode half computes no prompt logprobs alone, so it is not probed (the step's
+``logprob_diff_max`` still covers the tokens it samples).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from relax_launch.console import operator_log
+from relax_launch.inference.disaggregation import ALONE
+from relax_launch.inference.engine import EngineControl, result
+from relax_launch.inference.policy_adapter import adapter_name
+from relax_launch.models.build import ensure_model
+from relax_launch.trainer.batch import TokenBatch
+from relax_launch.weights.parity import (
+    engine_request,
+    engine_rows,
+    largest_gap,
+    parity_error,
+    probe_sequences,
+    tolerance_for,
+)
+from relax_launch.weights.update_session import EngineTarget
+
+if TYPE_CHECKING:
+    from relax_launch.config.job import JobConfig
+    from relax_launch.placement.plan import PlacementPlan
+
+TrainerLogprobs = Callable[[TokenBatch], list[list[float]]]
+
+
+@dataclass
+class Pending:
+    """A synced version whose engines are still to score the probe (colocated)."""
+
+    version: int
+    trainer_rows: list[list[float]]
+    targets: list[tuple[EngineTarget, str | None]]  # each engine and its disaggregated half
+    synced: str
+    seconds: float
+
+
+class ParityProbe:
+    """Scores the probe on the trainer and on every synced engine, after each sync."""
+
+    def __init__(
+        self,
+        sequences: list[list[int]],
+        tolerance: float,
+        trainer_logprobs: TrainerLogprobs,
+        *,
+        colocated: bool,
+        adapters: bool,
+        timeout_s: float,
+    ) -> None:
+        self.sequences, self.tolerance = sequences, tolerance
+        self.trainer_logprobs = trainer_logprobs  # the trainer's forward of the RL step
+        self.colocated, self.adapters, self.timeout_s = colocated, adapters, timeout_s
+        self.pending: Pending | None = None
+        self.last: dict[str, float] = {}  # the last probe's metrics
+
+    def after_sync(
+        self,
+        version: int,
+        targets: list[tuple[EngineTarget, str | None]],
+        reports: list[dict[str, Any]],
+        control: EngineControl,
+    ) -> None:
+        """The trainer's half now; the engines' at the same time (they are other processes)
+        unless colocated, where they score later (``check_engines``)."""
+        began = time.perf_counter()
+        scoring = [] if self.colocated else self._submit(version, targets, control)
+        batch = TokenBatch.next_token(self.sequences, [1] * len(self.sequences))
+        rows = self.trainer_logprobs(batch)
+        pending = Pending(version, rows, targets, synced_summary(reports), 0.0)
+        if self.colocated:
+            self.pending = replace(pending, seconds=time.perf_counter() - began)
+        else:
+            self._judge(pending, scoring, began)
+
+    def check_engines(self, control: EngineControl) -> None:
+        """Every pending engine scores the probe; ``ParityError`` names those beyond the
+        tolerance. Nothing pending: nothing to do."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            began = time.perf_counter() - pending.seconds  # the trainer's half counts too
+            self._judge(pending, self._submit(pending.version, pending.targets, control), began)
+
+    def _submit(
+        self, version: int, targets: list[tuple[EngineTarget, str | None]], control: EngineControl
+    ) -> list[tuple[EngineTarget, Future]]:
+        """Every engine's scoring request, started now (decode halves are not probed)."""
+        return [
+            (t, control.submit(t.url, "/generate", self._body(version, half), self.timeout_s))
+            for t, half in targets
+            if half != "decode"
+        ]
+
+    def _judge(
+        self, pending: Pending, scoring: list[tuple[EngineTarget, Future]], began: float
+    ) -> None:
+        """The engines' replies against the trainer's rows; the probe's metrics; the error
+        naming every engine beyond the tolerance."""
+        replies = [(t.label, result(call, self.timeout_s)) for t, call in scoring]
+        gaps = [
+            largest_gap(label, pending.trainer_rows, engine_rows(reply, self.sequences))
+            for label, reply in replies
+        ]
+        self.last = {
+            "sync/parity_gap": max((g.gap for g in gaps), default=0.0),
+            "sync/probe_s": time.perf_counter() - began,
+        }
+        failed = [g for g in gaps if not g.gap <= self.tolerance]
+        if failed:
+            raise parity_error(pending.version, failed, self.tolerance, pending.synced)
+
+    def _body(self, version: int, half: str | None) -> dict[str, Any]:
+        extra: dict[str, Any] = dict(ALONE) if half == "prefill" else {}
+        if self.adapters:  # the adapter this sync loaded, not the base weights
+            extra["lora_path"] = adapter_name(version)
+        return engine_request(self.sequences, extra)
+
+
+def synced_summary(reports: list[dict[str, Any]]) -> str:
+    """What a sync moved, for the probe's error: transport, tensors, bytes, staged tensors."""
+    if not reports:
+        return "nothing (no report)"
+    transport = reports[0].get("transport", "?")
+    tensors = sum(r.get("num_tensors", 0) for r in reports)
+    nbytes = sum(r.get("num_bytes", 0) for r in reports)
+    staged = sum(e.get("staged", 0) for r in reports for e in r.get("receivers", ()))
+    repaired = " (sent twice)" if any(r.get("repaired") for r in reports) else ""
+    return (
+        f"{tensors} tensors, {nbytes / 1e6:.1f} MB by {transport}{repaired}, "
+        f"{staged} staged for load_weights"
+    )
+
+
+def probe_for(
+    job: JobConfig, plan: PlacementPlan, trainer_logprobs: TrainerLogprobs, *, adapters: bool
+) -> ParityProbe | None:
+    """The job's probe, or None (no rollout engines, turned off, or a precision without a
+    measured tolerance: said once). ``adapters``: the engines serve the policy as an adapter."""
+    section = job.weight_sync.parity_probe
+    if not plan.engines_of("rollout") or not section.enabled:
+        return None
+    tolerance = tolerance_for(section, job.trainer.dtype, job.engine_dtype("rollout"))
+    if tolerance is None:
+        operator_log().warning(
+            f"relax-launch: weight-sync parity probe off: trainer {job.trainer.dtype} and "
+            f"rollout engines {job.engine_dtype('rollout')} have no measured tolerance; set "
+            "weight_sync.parity_probe.tolerance to turn it on"
+        )
+        return None
+    from transformers import AutoTokenizer  # rank 0 only, once
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model())))
+    count = plan.trainer.dp_size * job.trainer.sequences_per_micro_batch
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return ParityProbe(
+        probe_sequences(encode, count, section.tokens),
+        tolerance,
+        trainer_logprobs,
+        colocated=plan.mode in ("split", "defer"),
+        adapters=adapters,
+        timeout_s=job.weight_sync.timeout_s,
+    )
