@@ -212,8 +212,9 @@ def trl_venv() -> Path:
     venv.mkdir(parents=True, exist_ok=True)
     (venv / "constraints.txt").write_text(constraints)
     pip = [str(python), "-m", "pip", "install", "-c", str(venv / "constraints.txt")]
-    # pydantic: what relax_launch.rl.rewards imports (through its config), for the rewards
-    install = [*pip, f"torch=={torch}", f"trl=={TRL_VERSION}", "pydantic"]
+    # pydantic and apprise: what relax_launch.rl.rewards imports (through its config, which
+    # checks logging.notify's URLs), for the rewards
+    install = [*pip, f"torch=={torch}", f"trl=={TRL_VERSION}", "pydantic", "apprise"]
     cpu_only = "import torch, trl; assert not torch.version.cuda, torch.__version__"
     commands = (["python3.11", "-m", "venv", str(venv)], install, [str(python), "-c", cpu_only])
     with log.open("w") as out:
