@@ -203,7 +203,11 @@ def trl_venv() -> Path:
     python = venv / "bin" / "python"
     torch = metadata.version("torch").split("+")[0] + "+cpu"  # the project's, CPU build only
     constraints = f"{PINS.read_text()}\ntorch=={torch}\n"
-    wanted = hashlib.sha256(f"{TRL_VERSION}\n{constraints}".encode()).hexdigest()
+    # pydantic and apprise: what relax_launch.rl.rewards imports (through its config, which
+    # checks logging.notify's URLs), for the rewards
+    packages = [f"torch=={torch}", f"trl=={TRL_VERSION}", "pydantic", "apprise"]
+    # the venv is remade when the pins or the packages change
+    wanted = hashlib.sha256(f"{packages}\n{constraints}".encode()).hexdigest()
     stamp = venv / ".relax-launch-stamp"
     if python.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return python
@@ -212,9 +216,7 @@ def trl_venv() -> Path:
     venv.mkdir(parents=True, exist_ok=True)
     (venv / "constraints.txt").write_text(constraints)
     pip = [str(python), "-m", "pip", "install", "-c", str(venv / "constraints.txt")]
-    # pydantic and apprise: what relax_launch.rl.rewards imports (through its config, which
-    # checks logging.notify's URLs), for the rewards
-    install = [*pip, f"torch=={torch}", f"trl=={TRL_VERSION}", "pydantic", "apprise"]
+    install = [*pip, *packages]
     cpu_only = "import torch, trl; assert not torch.version.cuda, torch.__version__"
     commands = (["python3.11", "-m", "venv", str(venv)], install, [str(python), "-c", cpu_only])
     with log.open("w") as out:
