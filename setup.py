@@ -56,6 +56,9 @@ RUNTIME_DEPS += ["tensorboard", "matplotlib", "wandb"]
 RUNTIME_DEPS += ["pyarrow"]
 # apprise: logging.notify (Slack, email, webhooks, ... from one URL each).
 RUNTIME_DEPS += ["apprise"]
+# reasoning-gym: procedural tasks as data.dataset (no downloads); math-verify with the ANTLR
+# runtime its LaTeX parser needs: the math_verify reward.
+RUNTIME_DEPS += ["reasoning-gym", "math-verify[antlr4_13_2]"]
 # Mooncake's transfer engine moves KV caches between prefill and decode engines (its build
 # without CUDA here, SGLang's own choice on GPUs).
 MOONCAKE = {"cpu": ["mooncake-transfer-engine-non-cuda"], "gpu": ["mooncake-transfer-engine"]}

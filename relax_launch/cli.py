@@ -50,6 +50,15 @@ def main() -> None:
     """RL post-training of LLMs (GRPO, on-policy distillation, GenRM) as one torchrun job."""
 
 
+def critic_line(job: JobConfig, placement: PlacementPlan) -> str:
+    """Where PPO's value model lives: on the trainer's ranks, in the trainer's layout."""
+    t, model = placement.trainer, job.critic.model or job.trainer.model
+    return (
+        f"critic: value model of {model} on the trainer ranks {t.ranks[0]}-{t.ranks[-1]} "
+        f"(tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}), trained after the policy each step"
+    )
+
+
 @main.command("plan")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
@@ -89,6 +98,8 @@ def plan_command(
         click.echo(json.dumps(data | {"memory": memory and json.loads(memory.to_json())}))
     else:
         click.echo(table(placement) + (f"\n{memory_table(memory)}" if memory else ""))
+        if job.critic is not None:
+            click.echo(critic_line(job, placement))
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
 

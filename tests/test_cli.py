@@ -121,3 +121,14 @@ def test_cli_import_pulls_in_no_heavy_module():
         subprocess.check_output([sys.executable, "-c", code], text=True).strip().split(",")
     )
     assert not loaded.intersection(HEAVY), loaded.intersection(HEAVY)
+
+
+def test_plan_shows_the_critic_on_the_trainer_ranks_and_its_memory():
+    result = run("plan", "tests/rl/critic_tiny.yaml")
+    assert result.returncode == 0, result.stderr
+    assert (
+        "critic: value model of builtin:tiny-llama on the trainer ranks 0-1 (tp=1 pp=1 dp=2)"
+        in result.stdout
+    )
+    trainer_memory = [x for x in result.stdout.splitlines() if "trainer [active]" in x]
+    assert trainer_memory and all("critic " in x for x in trainer_memory)

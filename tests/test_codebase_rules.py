@@ -119,6 +119,7 @@ HEAVY = {
     "megatron",
     "numpy",
     "pyarrow",
+    "reasoning_gym",  # ~1 s: only jobs drawing reasoning-gym tasks load it
     "safetensors",
     "sglang",
     "torch",

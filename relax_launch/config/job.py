@@ -24,7 +24,9 @@ from relax_launch.rl.config import (
     LoggingConfig,
     RewardConfig,
 )
+from relax_launch.rl.critic_config import CriticConfig
 from relax_launch.rl.data_config import DataConfig, EvalConfig
+from relax_launch.rl.policy_loss_config import OWN_CORRECTION
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.weights.config import WeightSyncConfig
 
@@ -47,6 +49,9 @@ class JobConfig(Section):
     )
     teacher: TeacherConfig | None = Field(None, description="Teacher engines; unset: no teacher.")
     genrm: GenRMConfig | None = Field(None, description="GenRM judge engines; unset: no judge.")
+    critic: CriticConfig | None = Field(
+        None, description="PPO's value model (algorithm.advantage_estimator=gae); unset: none."
+    )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Algorithm.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
     eval: EvalConfig | None = Field(
@@ -99,10 +104,13 @@ class JobConfig(Section):
 
     def rollout_correction(self) -> str:
         """algorithm.rollout_correction with ``auto`` resolved: token_tis when the samples come
-        from other weights (off-policy) or another precision than the trainer's, else none."""
+        from other weights (off-policy) or another precision than the trainer's, else none
+        (always none for the losses that weigh each token by that ratio themselves)."""
         chosen = self.algorithm.rollout_correction
         if chosen != "auto":
             return chosen
+        if self.algorithm.policy_loss in OWN_CORRECTION:
+            return "none"
         other_weights = self.rollout_overlaps_training
         return "token_tis" if other_weights or self.precision_differs else "none"
 
@@ -134,7 +142,9 @@ class JobConfig(Section):
             f"{self.trainer.dtype}: the engines' logprobs and the trainer's differ by the "
             "precision gap"
         )
-        correction = self.rollout_correction()
+        correction, loss = self.rollout_correction(), self.algorithm.policy_loss
+        if loss in OWN_CORRECTION:
+            return f"{gap}; algorithm.policy_loss={loss} weighs each token by that ratio itself."
         if correction != "none":
             return (
                 f"{gap}; algorithm.rollout_correction={correction} weights each token by the "

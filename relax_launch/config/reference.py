@@ -68,14 +68,22 @@ def render_reference() -> str:
         if model is None:
             continue
         lines += [f"## `{name}`", "", (model.__doc__ or "").strip(), "", *_table(model), ""]
-        for sub_name, sub_field in model.model_fields.items():
-            sub_model = _section_model(sub_field.annotation)  # X, X | None, tuple[X, ...]
-            if sub_model is not None:
-                is_list = typing.get_origin(sub_field.annotation) in (tuple, list)
-                title = f"{name}.{sub_name}" + ("[]" if is_list else "")
-                lines += [f"### `{title}`", "", (sub_model.__doc__ or "").strip(), ""]
-                lines += [*_table(sub_model), ""]
+        lines += _sections_within(name, model, depth=3)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _sections_within(path: str, model: type[BaseModel], depth: int) -> list[str]:
+    """A heading and table for each section among ``model``'s fields, and for theirs."""
+    lines = []
+    for sub_name, sub_field in model.model_fields.items():
+        sub_model = _section_model(sub_field.annotation)  # X, X | None, tuple[X, ...]
+        if sub_model is not None:
+            is_list = typing.get_origin(sub_field.annotation) in (tuple, list)
+            title = f"{path}.{sub_name}" + ("[]" if is_list else "")
+            lines += [f"{'#' * depth} `{title}`", "", (sub_model.__doc__ or "").strip(), ""]
+            lines += [*_table(sub_model), ""]
+            lines += _sections_within(title, sub_model, depth + 1)
+    return lines
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from relax_launch.config.critic_rules import critic_problems
+from relax_launch.rl.reasoning_gym_config import PREFIX as REASONING_GYM
+
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
 
@@ -16,6 +19,7 @@ def cross_section_problems(job: JobConfig) -> list[str]:
     problems += _algorithm_problems(job) + _lora_problems(job)
     problems += _disaggregation_problems(job) + _micro_batch_problems(job)
     problems += _restart_problems(job)
+    problems += critic_problems(job)  # config/critic_rules.py
     return problems + _elastic_problems(job) + _optimizer_offload_problems(job)
 
 
@@ -265,8 +269,8 @@ def _disaggregation_problems(job: JobConfig) -> list[str]:
 
 def _rollout_disaggregation_clashes(job: JobConfig) -> dict[str, tuple[bool, str]]:
     return {
-        "algorithm.routing_replay off": (
-            job.algorithm.routing_replay,
+        "algorithm.routing_replay and algorithm.control.routing_replay off": (
+            job.algorithm.records_routing,
             "the routed experts of a prompt are recorded on the prefill side",
         ),
         "trainer.lora.engines=merged": (
@@ -313,9 +317,10 @@ def _algorithm_problems(job: JobConfig) -> list[str]:
                 f"algorithm.max_staleness={a.max_staleness} (fully asynchronous) needs "
                 f"{' and '.join(needed)}: change them or set algorithm.max_staleness=0."
             )
-    if a.routing_replay and (a.max_staleness or job.rollout.function):
+    if a.records_routing and (a.max_staleness or job.rollout.function):
+        which = "routing_replay" if a.routing_replay else "control.routing_replay"
         problems.append(
-            "algorithm.routing_replay records the experts of each generate call; the fully "
+            f"algorithm.{which} records the experts of each generate call; the fully "
             "asynchronous rollout (algorithm.max_staleness) and rollout functions (rollout."
             "function) assemble samples from several calls, which it does not follow yet: turn "
             "one of them off."
@@ -342,6 +347,9 @@ def _eval_problems(job: JobConfig) -> list[str]:
     problems = []
     held_out = job.eval.data
     same_task = held_out.dataset == job.data.dataset and job.data.dataset.startswith("builtin:")
+    # reasoning-gym draws each task's rows from the seed: a task in both gets the same rows
+    both_gym = all(d.startswith(REASONING_GYM) for d in (held_out.dataset, job.data.dataset))
+    same_task = same_task or both_gym
     if same_task and held_out.seed == job.data.seed:
         problems.append(
             f"eval.data.seed={held_out.seed} equals data.seed: {held_out.dataset} would "

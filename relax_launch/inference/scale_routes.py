@@ -3,11 +3,14 @@
 ``POST /{role}/scale_out`` and ``POST /{role}/scale_in`` take ``{"num_replicas": N}`` (the
 total wanted, not a delta; optional ``model``, ``timeout_secs``) and answer 202 with the
 operation's ``request_id``; ``GET /{role}/scale_out/{request_id}`` and
-``GET /{role}/scale_in/{request_id}`` report its progress, the role's engine count and each
-engine's outcome. Errors: a field of the wrong type 422; a count outside the planned engines to
-``max_engines``, the wrong direction or an unknown model 400; an operation in flight for the
-role, a role not serving (starting, FAILED) or a count it has already 409; an unknown id 404.
-Rank 0's ``EngineScaler`` (``runtime/scaling.py``) does the work.
+``GET /{role}/scale_in/{request_id}`` report its progress, the role's engines serving
+(``actual``) and each engine's outcome; ``GET /{role}/scale_out`` and ``GET /{role}/scale_in``
+list the role's operations, newest first; ``POST /{role}/scale_out/{request_id}/cancel`` stops
+a scale-out in flight (202; the engines it started are stopped, the count returns). Errors: a
+field of the wrong type 422; a count outside the planned engines to ``max_engines``, the wrong
+direction or an unknown model 400; an operation in flight for the role, a role not serving
+(starting, FAILED), a count it has already or a cancel of an operation that ended 409; an
+unknown id 404. Rank 0's ``EngineScaler`` (``runtime/scaling.py``) does the work.
 """
 
 from __future__ import annotations
@@ -64,7 +67,11 @@ class Scaler(Protocol):
 
     def get(self, role: str, kind: str, request_id: str) -> Operation | None: ...
 
-    def count(self, role: str) -> int: ...
+    def listed(self, role: str, kind: str) -> list[Operation]: ...
+
+    def cancel(self, role: str, request_id: str) -> Operation: ...
+
+    def actual(self, role: str) -> int: ...
 
 
 class ScaleRoutes:
@@ -91,10 +98,21 @@ class ScaleRoutes:
                     **docs,
                 )
             )
+            bound = partial(self.listing, kind, role)
+            docs = role_route_docs(role, f"{kind} (list)", bound, "401")
+            routes.append(
+                APIRoute(f"/{role}/{kind}", bound, methods=["GET"], dependencies=guard, **docs)
+            )
             bound = partial(self.status, kind, role)
             docs = role_route_docs(role, f"{kind}/{{request_id}}", bound, "401", "404")
             path = f"/{role}/{kind}/{{request_id}}"
             routes.append(APIRoute(path, bound, methods=["GET"], dependencies=guard, **docs))
+        bound = partial(self.cancel, role)
+        docs = role_route_docs(role, "scale_out/{request_id}/cancel", bound, "401", "404", "409")
+        path = f"/{role}/scale_out/{{request_id}}/cancel"
+        routes.append(
+            APIRoute(path, bound, methods=["POST"], dependencies=guard, status_code=202, **docs)
+        )
         return routes
 
     async def scale(self, kind: str, role: str, request: Request, body: ScaleRequest) -> Response:
@@ -113,15 +131,33 @@ class ScaleRoutes:
         except ScaleRefused as exc:
             raise HTTPException(exc.status, str(exc)) from None
         location = {"location": f"/{role}/{kind}/{op.request_id}"}
-        return JSONResponse(op.document(scaler.count(role)), 202, location)
+        return JSONResponse(op.document(scaler.actual(role)), 202, location)
 
     async def status(self, kind: str, role: str, request_id: str) -> Response:
-        """The operation's state, the role's engine count now and each engine's outcome."""
+        """The operation's state, the role's engines serving now and each engine's outcome."""
         scaler = self._scaler()
         op = scaler.get(role, kind, request_id)
         if op is None:
             raise HTTPException(404, f"{role} has no {kind} operation {request_id!r}")
-        return JSONResponse(op.document(scaler.count(role)))
+        return JSONResponse(op.document(scaler.actual(role)))
+
+    async def listing(self, kind: str, role: str) -> Response:
+        """The role's operations of this kind kept by rank 0, newest first."""
+        scaler = self._scaler()
+        actual = scaler.actual(role)
+        documents = [op.document(actual) for op in scaler.listed(role, kind)]
+        return JSONResponse({"role": role, "operation": kind, "operations": documents})
+
+    async def cancel(self, role: str, request_id: str) -> Response:
+        """Stop a scale-out in flight: 202 with the operation, ``cancelling`` until the engines
+        it started are stopped (then ``cancelled``)."""
+        scaler = self._scaler()
+        try:
+            op = scaler.cancel(role, request_id)
+        except ScaleRefused as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        location = {"location": f"/{role}/scale_out/{request_id}"}
+        return JSONResponse(op.document(scaler.actual(role)), 202, location)
 
     def _scaler(self) -> Scaler:
         if self.scaler is None:

@@ -78,6 +78,10 @@ def trainer_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict) ->
     terms.append(Term("optimizer state", 8 * optimizer_elements, adam, t.optimizer_offload))
     if job.algorithm.kl_coef > 0 and t.lora is None:
         terms.append(Term("KL reference", (dense + experts) * weight, "frozen initial policy"))
+    if job.critic is not None:  # PPO's value model on the same ranks (trainer/critic.py)
+        master = 4 if t.dtype == "bfloat16" else 0  # each DP rank holds its whole Adam state
+        per_element = weight + 4 + 8 + master
+        terms.append(Term("critic", (dense + experts) * per_element, "value model, its Adam"))
     terms += activation_terms(job, size, pp_rank, ranks)
     return terms
 

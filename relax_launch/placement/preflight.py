@@ -21,6 +21,7 @@ from relax_launch.models.registry import (
 )
 from relax_launch.placement.memory_plan import check_memory, memory_plan, model_sizes
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
+from relax_launch.rl.reasoning_gym_config import PREFIX as REASONING_GYM
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -141,11 +142,12 @@ def _check_experts_fit(job: JobConfig, facts: ModelFacts) -> None:
             "dividing it.",
             ("trainer.ep_size",),
         )
-    if job.algorithm.routing_replay and not experts:
+    if job.algorithm.records_routing and not experts:
+        which = "routing_replay" if job.algorithm.routing_replay else "control.routing_replay"
         raise ConfigError(
-            f"algorithm.routing_replay replays the experts a mixture-of-experts model routed "
+            f"algorithm.{which} replays the experts a mixture-of-experts model routed "
             f"to; {job.trainer.model!r} is dense: turn it off.",
-            ("algorithm.routing_replay",),
+            (f"algorithm.{which}",),
         )
     if experts and job.trainer.lora is not None:
         raise ConfigError(
@@ -232,11 +234,12 @@ def _check_kv_transfer(job: JobConfig) -> None:
 
 
 def _dataset_problem(dataset: str) -> str | None:
-    if dataset.startswith("builtin:") or Path(dataset).expanduser().exists():
+    generated = dataset.startswith(("builtin:", REASONING_GYM))  # made from the seed
+    if generated or Path(dataset).expanduser().exists():
         return None
     return (
         f"data.dataset={dataset!r} does not exist: give an existing .jsonl or .parquet file, a "
-        "dataset directory or a builtin:NAME dataset."
+        "dataset directory, a builtin:NAME or a reasoning_gym:TASK dataset."
     )
 
 

@@ -305,6 +305,7 @@ def to_sample(
         weight_version=str(min(t.versions)) if t.versions else "None",
         finish_reason=t.finish_reason,
         data_source=source.data_source,
+        meta=source.meta,
         response_mask=t.mask,
         conversation=conversation,
         turns=t.turns,

@@ -36,7 +36,11 @@ def groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
 
 def assign_advantages(samples: list[Sample], group_size: int, estimator: str = "grpo") -> None:
     """The estimator over each prompt's group, counting the samples that have a reward and a
-    response; a group with fewer than two of them gets no advantage."""
+    response; a group with fewer than two of them gets no advantage. ``gae`` assigns none here:
+    its advantages are per token, from the critic's values at the train step
+    (``rl/critic_step.py``)."""
+    if estimator == "gae":
+        return
     scored = [
         g
         for g in (

@@ -284,7 +284,7 @@ class Colocated:
         ctx, seconds = self.ctx, {}
         work = RLBatchWork(ctx, step, seconds)
         turns = run_batch(work, self.coordinator, 2 * step, split=self.split, seconds=seconds)
-        metrics = train(ctx, work.samples, seconds)
+        metrics = train(ctx, work.samples, seconds, step)
         metrics |= {f"memory/{k}_gb": v / 1e9 for k, v in turns.moved.items()}
         if ctx.evaluation is not None and ctx.evaluation.due(step + 1, self.num_steps):
             metrics |= self.evaluate(step, seconds)

@@ -12,32 +12,46 @@ from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
 from relax_launch.notify import url_problems
+from relax_launch.rl.control_config import ControlConfig
+from relax_launch.rl.policy_loss_config import PolicyLossFields
 
-BUILTIN_REWARDS = ("exact_numeric", "format")
+BUILTIN_REWARDS = ("exact_numeric", "format", "math_verify", "reasoning_gym")
+# scored in worker processes under a per-sample time limit (rl/reward_pool.py)
+POOLED_REWARDS = ("math_verify", "reasoning_gym")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class MismatchGuardConfig(Section):
     """Bounds on a step's trainer-vs-engine metrics, and what a step beyond them does."""
 
-    action: Literal["stop", "warn", "off"] = Field(
+    action: Literal["stop", "skip", "warn", "off"] = Field(
         "stop",
-        description="stop: end the job after the step, the cause on the last line. warn: log "
-        "it and count it in guard/tripped; the next sync's parity probe still checks the "
-        "engines. off: no check.",
+        description="stop: end the job after the step, the cause on the last line. skip: the "
+        "trainer withholds the step's update (its batch is dropped) and the sync after it "
+        "sends the weights again, checked by the parity probe; max_skips such steps in a row "
+        "stop the job. warn: log it and count it in guard/tripped; the next sync's parity "
+        "probe still checks the engines. off: no check.",
+    )
+    max_skips: int = Field(
+        2,
+        ge=1,
+        description="action skip: steps in a row whose update may be withheld; one more stops "
+        "the job (the re-syncs did not bring the engines back to the trainer's weights).",
     )
     logprob_diff_max: float | None = Field(
         None,
         gt=0,
         description="On-policy steps (staleness 0): largest |trainer - engine| logprob of a "
         "trained token allowed. Unset: 0.01 when trainer and rollout engines compute in "
-        "float32 (measured up to 3.5e-5), else no bound.",
+        "float32 (measured up to 3.5e-5), else no bound (in bfloat16 a maximum over every "
+        "token is heavy-tailed: measured up to 0.76 on healthy steps).",
     )
     mismatch_kl: float | None = Field(
         None,
         gt=0,
         description="On-policy steps: the mean k3 KL(engine || trainer) per token allowed. "
-        "Unset: 1e-4 in float32 (measured below 1e-6), else no bound.",
+        "Unset: 1e-4 in float32 (measured below 1e-6); 0.1 with bfloat16 on either side "
+        "(measured on the CPU up to 8.1e-3); no bound for float16.",
     )
     off_policy_mismatch_kl: float | None = Field(
         1.0,
@@ -48,25 +62,7 @@ class MismatchGuardConfig(Section):
     )
 
 
-class ControlConfig(Section):
-    """Closed-loop control of the fully asynchronous schedule's staleness bound."""
-
-    tighten_above: float = Field(
-        0.01,
-        gt=0,
-        description="A step with stale samples whose mismatch_kl is above this lowers the "
-        "bound (max_staleness) by one, to 1 at least.",
-    )
-    relax_below: float = Field(
-        0.002,
-        gt=0,
-        description="After `patience` steps in a row with mismatch_kl below this, the bound "
-        "rises by one, up to algorithm.max_staleness.",
-    )
-    patience: int = Field(2, ge=1, description="Calm steps before the bound is relaxed.")
-
-
-class AlgorithmConfig(Section):
+class AlgorithmConfig(PolicyLossFields):  # the policy loss's fields: rl/policy_loss_config.py
     """GRPO with optional KL to the initial policy and on-policy distillation."""
 
     num_steps: int = Field(1, ge=1, description="RL steps to run.")
@@ -78,12 +74,19 @@ class AlgorithmConfig(Section):
     clip_eps_high: float | None = Field(
         None, gt=0, description="PPO clip range upper side; default clip_eps."
     )
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"] = Field(
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gae"] = Field(
         "grpo",
-        description="grpo: reward minus its group's mean over the group's std. dr_grpo: minus "
-        "the mean only (pair with loss_aggregation: token_sum). rloo: minus the mean of the "
-        "group's other rewards. reinforce_pp_baseline: minus the group mean, over the batch's "
-        "std.",
+        description="grpo: reward minus its group's mean over the group's std. dr_grpo: "
+        "minus the mean only (pair with loss_aggregation: token_sum). rloo: minus the mean "
+        "of the group's other rewards. reinforce_pp_baseline: minus the group mean, over "
+        "the batch's std. gae: PPO's per-token GAE from a learned value model (needs a "
+        "critic section; rl/gae.py).",
+    )
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="GAE's discount per response token (advantage gae)."
+    )
+    lam: float = Field(
+        0.95, ge=0, le=1, description="GAE's lambda, its bias-variance trade (advantage gae)."
     )
     policy_ratio: Literal["token", "sequence"] = Field(
         "token",
@@ -166,9 +169,9 @@ class AlgorithmConfig(Section):
     )
     control: ControlConfig | None = Field(
         None,
-        description="Opt-in closed-loop control (max_staleness >= 1): tighten the staleness "
-        "bound when the stale samples' mismatch grows, relax it when it falls, each change "
-        "logged once and in control/max_staleness. Unset: the bound stays max_staleness.",
+        description="Opt-in closed-loop control: actions on what each step measures (the "
+        "staleness bound, a sequence mask on large importance ratios, MoE routing replay), "
+        "each change logged once and in the metrics (control/...). Unset: none acts.",
     )
     mismatch_guard: MismatchGuardConfig = Field(
         default_factory=MismatchGuardConfig,
@@ -183,7 +186,6 @@ class AlgorithmConfig(Section):
         needs = {
             "dynamic_sampling_max_rounds": ("dynamic_sampling", self.dynamic_sampling),
             "overlong_penalty": ("overlong_buffer_tokens", self.overlong_buffer_tokens > 0),
-            "control": ("max_staleness", self.max_staleness > 0),
         }
         for knob, (switch, on) in needs.items():
             if knob in self.model_fields_set and not on:
@@ -191,7 +193,33 @@ class AlgorithmConfig(Section):
                     f"algorithm.{knob} acts only with algorithm.{switch}: turn that on or "
                     f"remove algorithm.{knob}"
                 )
+        self._control_can_act()
         return self
+
+    def _control_can_act(self) -> None:
+        """The control's staleness action needs the fully asynchronous schedule; its routing
+        action has nothing to turn on when replay is on from the start."""
+        control = self.control
+        if control is None:
+            return
+        if control.staleness is not None and not self.max_staleness:
+            raise ValueError(
+                "algorithm.control.staleness acts only with algorithm.max_staleness (the fully "
+                "asynchronous schedule): turn that on or remove algorithm.control.staleness"
+            )
+        if control.routing_replay is not None and self.routing_replay:
+            raise ValueError(
+                "algorithm.control.routing_replay turns routing replay on when the routing "
+                "drifts, but algorithm.routing_replay replays from the first step: remove one"
+            )
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether the rollout engines return the experts they routed each token to: for
+        routing replay, or for the control that may turn it on."""
+        return self.routing_replay or (
+            self.control is not None and self.control.routing_replay is not None
+        )
 
 
 class RewardSource(Section):
@@ -209,6 +237,18 @@ class RewardSource(Section):
         "non-number, an unparseable judge reply); counted in reward/NAME/failed either way. "
         "Unset: the sample gets no gradient that step.",
     )
+    timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="builtin:math_verify / builtin:reasoning_gym: the time one sample may take "
+        "in its scoring worker; over it the sample gets 0, is counted in "
+        "reward/NAME/timeouts, and the worker is killed and replaced.",
+    )
+
+    @property
+    def pooled(self) -> bool:
+        """Whether this source scores in the worker pool (``rl/reward_pool.py``)."""
+        return self.function is not None and self.function[8:] in POOLED_REWARDS
 
     @model_validator(mode="after")
     def _exactly_one_kind(self) -> RewardSource:
@@ -226,6 +266,11 @@ class RewardSource(Section):
         elif fn is not None and not _IMPORT_PATH.match(fn):
             raise ValueError(
                 f"reward function {fn!r} must look like package.module:function or builtin:NAME"
+            )
+        if "timeout_s" in self.model_fields_set and not self.pooled:
+            raise ValueError(
+                f"reward source {self.name!r}: timeout_s limits builtin:math_verify and "
+                "builtin:reasoning_gym only; remove it"
             )
         return self
 

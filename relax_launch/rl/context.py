@@ -11,6 +11,8 @@ from typing import Any
 from relax_launch.notify import Notifier
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.config import AlgorithmConfig
+from relax_launch.rl.control import StepControl
+from relax_launch.rl.critic_config import CriticConfig
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream, prompt_ids
 from relax_launch.rl.data_config import DataConfig
 from relax_launch.rl.evaluation import Evaluation
@@ -81,12 +83,14 @@ class RLContext:
     evaluation: Evaluation | None = None  # the eval section's prompts, when it has one
     exports: PolicyExports | None = None  # Hugging Face exports during the run
     guard: MismatchGuard | None = None  # algorithm.mismatch_guard (None: off)
+    control: StepControl | None = None  # algorithm.control's actions on the train step
     notifier: Notifier | None = None  # logging.notify: rank 0's events (up, checkpoint failed)
+    critic: CriticConfig | None = None  # PPO's value model (advantage_estimator gae)
 
     @property
     def spec(self) -> LossSpec:
         a = self.algorithm
-        return LossSpec(
+        spec = LossSpec(
             clip_low=a.clip_eps,
             clip_high=a.clip_eps_high or a.clip_eps,
             aggregation=a.loss_aggregation,
@@ -95,7 +99,13 @@ class RLContext:
             correction=self.correction,
             correction_cap=a.rollout_correction_cap,
             max_response_tokens=self.data.max_response_tokens,
+            surrogate=a.policy_loss,
+            cispo_clip_high=a.cispo_clip_high,
+            sapo_tau_pos=a.sapo_tau_pos,
+            sapo_tau_neg=a.sapo_tau_neg,
+            m2po_threshold=a.m2po_threshold,
         )
+        return self.control.loss_spec(spec) if self.control is not None else spec
 
     def sampling(self) -> dict[str, Any]:
         """The generator's sampling arguments for the step's prompts."""

@@ -9,6 +9,8 @@ locally from the seed (no downloads) and carry checkable labels:
   format      "... End with the line 'Answer: <word>'"      (reward builtin:format)
   word_problems  "Ann has 17 apples and buys 25 more. ..."  label "42", with a system prompt
                  offering the calculator of rollout.function: builtin:calculator
+``reasoning_gym:TASK[+TASK...]`` draws reasoning-gym's procedural tasks (``data.reasoning_gym``;
+``rl/reasoning_gym_tasks.py``), each row carrying its task's entry for ``builtin:reasoning_gym``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_launch.rl.data_config import PromptSource
+from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig, task_names
 
 WORDS = ("cat", "light", "tree", "blue", "rain", "sing", "moon", "day", "fun", "cold", "go", "red")
 
@@ -31,6 +34,7 @@ class Prompt:
     messages: tuple[dict[str, str], ...]
     label: str | None = None
     data_source: str = "default"
+    meta: dict | None = None  # what a row's reward needs beyond its label (reasoning-gym's entry)
 
 
 @dataclass
@@ -104,10 +108,31 @@ def load_prompts(data: PromptSource) -> list[Prompt]:
     and the line or row, and what to do."""
     if data.dataset.startswith("builtin:"):
         return BUILTIN_TASKS[data.dataset[8:]](BUILTIN_SIZE, data.seed)
+    if data.dataset.startswith(PREFIX):
+        return reasoning_gym_prompts(data)
     prompts = [from_row(row, i, where, data) for i, (where, row) in enumerate(read_rows(data))]
     if not prompts:
         raise ValueError(f"{data.where}.dataset {data.dataset} has no prompts")
     return prompts
+
+
+def reasoning_gym_prompts(data: PromptSource) -> list[Prompt]:
+    """``size`` prompts of each task of ``reasoning_gym:A+B``, from ``data.seed``."""
+    from relax_launch.rl import reasoning_gym_tasks  # only for these datasets: seconds to import
+
+    rg = data.reasoning_gym or ReasoningGymConfig()
+    rows = reasoning_gym_tasks.rows(
+        task_names(data.dataset),
+        rg.size,
+        data.seed,
+        rg.tasks,
+        rg.answer_format,
+        rg.answer_pattern,
+    )
+    return [
+        Prompt(i, ({"role": "user", "content": text},), label, task, meta)
+        for i, (text, label, task, meta) in enumerate(rows)
+    ]
 
 
 def read_rows(data: PromptSource) -> Iterator[tuple[str, Any]]:

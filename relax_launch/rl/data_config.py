@@ -10,6 +10,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
+from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 
 BUILTIN_DATASETS = ("arithmetic", "format", "word_problems")
 
@@ -22,10 +23,16 @@ class PromptSource(Section):
 
     dataset: str = Field(
         "builtin:arithmetic",
-        description="builtin:arithmetic / builtin:format, a .jsonl or .parquet file, or a "
+        description="builtin:arithmetic / builtin:format, reasoning_gym:TASK[+TASK...] "
+        "(reasoning-gym's procedural tasks, see reasoning_gym), a .jsonl or .parquet file, or a "
         "directory: an HF datasets save_to_disk directory or a directory of Parquet files (the "
         "Hub's layout). Rows have a prompt (text) or messages (chat), an optional label and "
         "data_source.",
+    )
+    reasoning_gym: ReasoningGymConfig | None = Field(
+        None,
+        description="dataset reasoning_gym:...: rows per task, each task's config, the answer "
+        "format; unset: reasoning-gym's defaults.",
     )
     split: str = Field(
         "train", description="The split of a dataset directory (DatasetDict or Hub layout)."
@@ -48,6 +55,8 @@ class PromptSource(Section):
                 + ", ".join(f"builtin:{d}" for d in BUILTIN_DATASETS)
                 + " or give a .jsonl or .parquet file or a dataset directory"
             )
+        if dataset.startswith(PREFIX):
+            return dataset
         suffix = Path(dataset).suffix
         if not dataset.startswith("builtin:") and suffix not in ("", ".jsonl", ".parquet"):
             raise ValueError(
@@ -65,12 +74,26 @@ class PromptSource(Section):
             raise ValueError(
                 f"{fields} names fields of a dataset file; {self.dataset} has its own: remove it"
             )
+        if self.dataset.startswith(PREFIX):
+            self._no_file_fields(named)
+        elif self.reasoning_gym is not None:
+            raise ValueError(
+                f"{self.where}.reasoning_gym configures a reasoning_gym:... dataset; "
+                f"{self.dataset} is not one: remove it"
+            )
         if "split" in self.model_fields_set and Path(self.dataset).suffix:
             raise ValueError(
                 f"{self.where}.split selects a split of a dataset directory; {self.dataset} is "
                 f"one file: remove {self.where}.split"
             )
         return self
+
+    def _no_file_fields(self, named: list[str]) -> None:
+        """A reasoning-gym dataset has no file fields (its tasks are checked against the
+        library by ``rl/inputs.py``, before any process starts)."""
+        if named:
+            fields = ", ".join(f"{self.where}.{name}" for name in named)
+            raise ValueError(f"{fields} names fields of a dataset file; {self.dataset}: remove it")
 
 
 class DataConfig(PromptSource):

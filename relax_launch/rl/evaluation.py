@@ -12,6 +12,7 @@ from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
 from relax_launch.rl.data import Prompt, load_prompts, prompt_ids
 from relax_launch.rl.data_config import DataConfig, EvalConfig
+from relax_launch.rl.reasoning_gym_config import PREFIX
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 
@@ -22,6 +23,10 @@ def pass_at_k(n: int, passed: int, k: int) -> float:
     if n - passed < k:
         return 1.0
     return 1.0 - comb(n - passed, k) / comb(n, k)
+
+
+def average(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 class Evaluation:
@@ -80,12 +85,28 @@ class Evaluation:
             "eval/prompts": len(self.prompts),
             "eval/skipped_long_prompts": self.skipped,
         }
-        out |= {f"eval/{k}": v for k, v in reward_metrics.items() if k.endswith("/failed")}
+        out |= {
+            f"eval/{k}": v
+            for k, v in reward_metrics.items()
+            if k.endswith(("/failed", "/timeouts"))
+        }
+        passed = [
+            sum(s.valid and s.reward >= c.pass_threshold for s in samples[g * n : (g + 1) * n])
+            for g in range(len(self.prompts))
+        ]
         for k in c.pass_k:
-            per_prompt = []
-            for group in range(len(self.prompts)):
-                mine = samples[group * n : (group + 1) * n]
-                passed = sum(s.valid and s.reward >= c.pass_threshold for s in mine)
-                per_prompt.append(pass_at_k(n, passed, k))
-            out[f"eval/pass@{k}"] = sum(per_prompt) / len(per_prompt)
+            out[f"eval/pass@{k}"] = average([pass_at_k(n, p, k) for p in passed])
+        if c.data.dataset.startswith(PREFIX):  # and per reasoning-gym task
+            out |= self.per_task(samples, passed)
+        return out
+
+    def per_task(self, samples: list[Sample], passed: list[int]) -> dict[str, float]:
+        """``eval/TASK/pass@k`` and ``eval/TASK/reward`` of each task's prompts."""
+        c, n, out = self.config, self.config.sampling.n_samples, {}
+        for task in dict.fromkeys(p.data_source for p, _ in self.prompts):
+            groups = [g for g, (p, _) in enumerate(self.prompts) if p.data_source == task]
+            mine = [s for g in groups for s in samples[g * n : (g + 1) * n] if s.valid]
+            out[f"eval/{task}/reward"] = average([s.reward for s in mine]) if mine else float("nan")
+            for k in c.pass_k:
+                out[f"eval/{task}/pass@{k}"] = average([pass_at_k(n, passed[g], k) for g in groups])
         return out

@@ -9,6 +9,7 @@ from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.config import RewardConfig
 from relax_launch.rl.data import Prompt, load_prompts
 from relax_launch.rl.data_config import DataConfig, EvalConfig
+from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 from relax_launch.rl.rewards import load_function
 
 
@@ -20,6 +21,7 @@ def check_inputs(
 ) -> list[Prompt]:
     """Raise ConfigError naming the field when the data, the eval data, a reward function or
     the rollout function is unusable; returns the training prompts (rank 0 trains on them)."""
+    _reasoning_gym_tasks(data, evaluation)
     try:
         prompts = load_prompts(data)
     except (ValueError, OSError) as exc:
@@ -33,6 +35,8 @@ def check_inputs(
         if source.function is None:
             continue
         field = f"reward.sources[{number}].function"
+        if source.function == "builtin:reasoning_gym":
+            _reasoning_gym_rows(field, data, evaluation)
         try:
             function = load_function(source.function)
         except ValueError as exc:
@@ -48,3 +52,30 @@ def check_inputs(
                 ("rollout.function",),
             ) from None
     return prompts
+
+
+def _reasoning_gym_rows(field: str, data: DataConfig, evaluation: EvalConfig | None) -> None:
+    """builtin:reasoning_gym scores only rows that carry a reasoning-gym entry."""
+    sections = [("data", data)] + ([("eval.data", evaluation.data)] if evaluation else [])
+    for where, section in sections:
+        if not section.dataset.startswith(PREFIX):
+            raise ConfigError(
+                f"{field}: builtin:reasoning_gym scores rows of reasoning_gym:TASK datasets; "
+                f"{where}.dataset is {section.dataset}",
+                (field, f"{where}.dataset"),
+            )
+
+
+def _reasoning_gym_tasks(data: DataConfig, evaluation: EvalConfig | None) -> None:
+    """Every task of a ``reasoning_gym:A+B`` dataset exists and takes its configured settings."""
+    sections = [("data", data)] + ([("eval.data", evaluation.data)] if evaluation else [])
+    for where, section in sections:
+        if not section.dataset.startswith(PREFIX):
+            continue
+        from relax_launch.rl.reasoning_gym_tasks import task_problems  # reasoning-gym: seconds
+
+        chosen = section.reasoning_gym or ReasoningGymConfig()
+        if problems := task_problems(section.dataset, chosen):
+            raise ConfigError(
+                f"{where}.dataset {section.dataset}: " + "; ".join(problems), (f"{where}.dataset",)
+            )

@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from relax_launch.console import operator_log
 from relax_launch.rl.batch import assign_advantages, sample_metrics, shape_overlong, to_batch
 from relax_launch.rl.context import RLContext
+from relax_launch.rl.critic_step import train_with_critic
 from relax_launch.rl.data import PromptCursor
 from relax_launch.rl.dynamic_sampling import keep_groups_with_signal
 from relax_launch.rl.rollout import score_with_teacher
@@ -135,15 +136,26 @@ def finish_batch(
     return RolloutBatch(samples, metrics, dict(seconds), cursor)
 
 
-def train(ctx: RLContext, samples: list[Sample], seconds: dict[str, float]) -> dict[str, float]:
-    """One trainer step on the samples; a batch with no token to train on (every response
-    invalid, stale or filtered) leaves the weights as they are, counted in ``train_skipped``."""
+def train(
+    ctx: RLContext, samples: list[Sample], seconds: dict[str, float], version: int
+) -> dict[str, float]:
+    """One trainer step on the samples, with the trainer at weights ``version``; a batch with
+    no token to train on (every response invalid, stale or filtered) leaves the weights as they
+    are, counted in ``train_skipped``. Under the mismatch guard's ``skip`` the trainer holds
+    the batch to the guard's bounds for its staleness before it updates."""
     with timed(seconds, "train"):
         batch = to_batch(samples, ctx.algorithm.distill_coef)
         if not any(any(mask) for mask in batch.loss_mask):
             operator_log().warning("relax-launch: no sample of this step can be trained: skipped")
             return {"train_skipped": 1}
-        return ctx.job.train_step(batch, ctx.spec) | {"train_skipped": 0}
+        spec = ctx.spec
+        if ctx.guard is not None:
+            versions = [int(s.weight_version) for s in samples if s.weight_version.isdigit()]
+            staleness = version - min(versions, default=version)
+            spec = replace(spec, withhold_above=ctx.guard.withhold_above(staleness))
+        if ctx.critic is not None:  # PPO with a value model: GAE, policy, then critic
+            return train_with_critic(ctx, samples, batch, spec) | {"train_skipped": 0}
+        return ctx.job.train_step(batch, spec) | {"train_skipped": 0}
 
 
 def sync(ctx: RLContext, version: int, seconds: dict[str, float]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.colocated import Colocated
 from relax_launch.rl.context import PromptFeed, RLContext
-from relax_launch.rl.control import StalenessControl
+from relax_launch.rl.control import StalenessControl, StepControl
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.exports import PolicyExports
@@ -58,12 +58,16 @@ def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
         with contextlib.closing(log):  # on success run() has closed it already
             session.bring_up(start, log_dir)
             ctx = rl_context(job, session, stream, log, checkpoints, skipped)
+            for part in (ctx.control, ctx.guard):  # where the resumed run's steps left them
+                if part is not None:
+                    part.resume(log.history)
             resumed = f", resumed from the checkpoint of step {start}" if start else ""
             ctx.notifier.send(
                 "up", f"training steps {start + 1}-{job.algorithm.num_steps}{resumed} ({log_dir})"
             )
             schedule, between_steps = choose_schedule(job, ctx, start)
-            return run(ctx, schedule, job.algorithm.num_steps, log_dir, start, between_steps)
+            with contextlib.closing(ctx.rewards):  # its scoring workers end with the run
+                return run(ctx, schedule, job.algorithm.num_steps, log_dir, start, between_steps)
 
     return program
 
@@ -85,7 +89,7 @@ def rl_context(
     if job.genrm is not None:
         judge = functools.partial(rollout.judge, session.engines, max_tokens=JUDGE_MAX_TOKENS)
     generator = rollout.generate
-    if job.algorithm.routing_replay:  # the engine's routing of every sample, for the trainer
+    if job.algorithm.records_routing:  # the engine's routing of every sample, for the trainer
         routing = read_shape(ensure_model(job.trainer.model))
         generator = functools.partial(rollout.generate, routing=routing)
     if job.rollout.function:  # conversations of several turns (rl/agent.py)
@@ -111,10 +115,12 @@ def rl_context(
         rollout_wait_s=job.rollout_wait_s(),
         evaluation=evaluation,
         exports=policy_exports(job),
+        control=StepControl.of(job.algorithm.control),
         guard=MismatchGuard.of(
             job.algorithm.mismatch_guard, job.trainer.dtype, job.engine_dtype("rollout")
         ),
         notifier=Notifier(job.logging.notify, job.name),
+        critic=job.critic,
     )
 
 
@@ -142,8 +148,13 @@ def choose_schedule(
         coordinator = ctx.job.coordinator(job.placement.operation_timeout_s, log_path)
         return Colocated(ctx, coordinator, a.num_steps), None
     if a.max_staleness:
-        control = StalenessControl(a.control, a.max_staleness) if a.control else None
-        return FullyAsync(ctx, continuous_rollout(job, ctx, start), control), ctx.evaluation
+        staleness = a.control.staleness if a.control else None
+        control = StalenessControl(staleness, a.max_staleness) if staleness else None
+        rollout = continuous_rollout(job, ctx, start)
+        if control is not None:  # the bound where the resumed run's steps left it
+            control.resume(ctx.log.history)
+            rollout.k = control.bound
+        return FullyAsync(ctx, rollout, control), ctx.evaluation
     if a.off_policy_steps:
         return OffPolicy(ctx, a.num_steps), ctx.evaluation
     return Synchronous(ctx), ctx.evaluation

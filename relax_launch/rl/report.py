@@ -36,6 +36,8 @@ PHASE_KEYS = (
     "eval",
     "other",
 )
+# A reward source's counts (reward/NAME/failed, /timeouts), not its mean reward: not shown.
+COUNTS = ("/failed", "/timeouts")
 # One panel per entry: title, y-axis label and the curves it draws (each only when the run has
 # it); one panel per reward source follows "reward".
 PANELS = (
@@ -44,6 +46,7 @@ PANELS = (
     ("KL", "nats per token", ("reverse_kl", "kl_ref", "approx_kl")),
     ("policy loss", "loss", ("loss",)),
     ("gradient norm", "L2 norm", ("grad_norm",)),
+    ("value model", "loss, explained variance", ("critic/value_loss", "critic/explained_variance")),
     ("seconds per phase", "seconds", tuple(f"time/{p}" for p in PHASE_KEYS)),
     ("rollout throughput", "tokens/s", ("tokens_per_s",)),
     ("response length", "tokens per sample", ("response_tokens",)),
@@ -220,12 +223,15 @@ class StepProgress:
         parts += [
             f"{k.split('/')[1]} {v:.3f}"
             for k, v in m.items()
-            if k.startswith("reward/") and not k.endswith("/failed")
+            if k.startswith("reward/") and not k.endswith(COUNTS)
         ]
         if "reverse_kl" in m:
             parts.append(f"rev-KL {m['reverse_kl']:.4f}")
         if "kl_ref" in m:
             parts.append(f"KL-ref {m['kl_ref']:.4f}")
+        if "critic/value_loss" in m:  # PPO's value model (advantage gae)
+            v_loss, explained = m["critic/value_loss"], m["critic/explained_variance"]
+            parts.append(f"V-loss {v_loss:.4f} EV {explained:.2f}")
         if m.get("staleness"):
             parts.append(f"stale {int(m['staleness'])}")
         if "agent/turns" in m:
@@ -259,7 +265,7 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
         return sum(values) / len(values) if values else float("nan")
 
     lines = [f"relax-launch: finished {len(history)} steps"]
-    for key in ("reward", "reverse_kl", "kl_ref", "tokens_per_s", "time/step"):
+    for key in ("reward", "reverse_kl", "kl_ref", "critic/value_loss", "tokens_per_s", "time/step"):
         if any(key in r for r in history):
             lines.append(
                 f"  {key:<14} first {k}: {mean(history[:k], key):9.4f}   "
@@ -327,7 +333,7 @@ def plot_curves(history: list[dict[str, float]], path: Path) -> Figure:
 def shown_panels(history: list[dict[str, float]]) -> list[tuple[str, str, tuple[str, ...]]]:
     """The panels the run has points for, each with only the curves it has."""
     sources = sorted(
-        {k for r in history for k in r if k.startswith("reward/") and not k.endswith("/failed")}
+        {k for r in history for k in r if k.startswith("reward/") and not k.endswith(COUNTS)}
     )
     panels = []
     for title, unit, keys in PANELS:

@@ -8,6 +8,10 @@ become a silent zero: the source's ``fallback`` value is used if it has one, els
 is marked invalid (it gets no gradient; its group is normalised without it); either way the
 failure is counted in the step's metrics (``reward/NAME/failed``). A step where every sample
 is invalid stops the job with the first error.
+
+``builtin:math_verify`` and ``builtin:reasoning_gym`` score each sample in a worker process
+(``rl/reward_pool.py``) under the source's ``timeout_s``: a sample over it gets 0 and is
+counted in ``reward/NAME/timeouts``.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import asyncio
 import importlib
 import inspect
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 from relax_launch.rl.config import RewardConfig, RewardSource
+from relax_launch.rl.reward_pool import ScoringPool
 from relax_launch.rl.samples import Sample
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -62,10 +68,27 @@ def format_reward(samples: list[Sample]) -> list[float]:
     return out
 
 
+def math_verify_call(sample: Sample) -> tuple[str, tuple]:
+    """The worker call scoring a sample with math-verify (``rl/math_reward.py``)."""
+    return "math_verify", (sample.text, sample.label)
+
+
+def reasoning_gym_call(sample: Sample) -> tuple[str, tuple]:
+    """The worker call scoring a sample with its task's ``score_answer``
+    (``rl/reasoning_gym_tasks.py``)."""
+    return "reasoning_gym", (sample.text, sample.data_source, sample.meta)
+
+
 BUILTINS: dict[str, Callable[[list[Sample]], list[float]]] = {
     "exact_numeric": exact_numeric,
     "format": format_reward,
 }
+# sample -> (worker kind, args): scored in the pool's worker processes
+POOLED: dict[str, Callable[[Sample], tuple[str, tuple]]] = {
+    "math_verify": math_verify_call,
+    "reasoning_gym": reasoning_gym_call,
+}
+POOL_SIZE = min(4, os.cpu_count() or 1)
 
 
 def parse_score(reply: str) -> float:
@@ -78,7 +101,7 @@ def parse_score(reply: str) -> float:
 
 def load_function(spec: str) -> Callable[..., Any]:
     if spec.startswith("builtin:"):
-        return BUILTINS[spec[8:]]
+        return {**BUILTINS, **POOLED}[spec[8:]]
     module_name, _, attr = spec.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
@@ -98,13 +121,21 @@ class Rewards:
         self.sources = config.sources
         self.functions = {s.name: load_function(s.function) for s in self.sources if s.function}
         self.judge = judge
+        # started now, so the workers' imports overlap the engines' first generation
+        self.pool = ScoringPool(POOL_SIZE) if any(s.pooled for s in self.sources) else None
+
+    def close(self) -> None:
+        """Stop the scoring workers (at the end of the job)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Write ``rewards``/``reward``/``valid`` on each sample; return per-source metrics."""
         metrics: dict[str, float] = {}
         first_error = None
+        timeouts: dict[str, int] = {}  # this call's (an off-policy step scores on a thread)
         for source in self.sources:
-            values, error = self._run(source, samples)
+            values, error = self._run(source, samples, timeouts)
             first_error = first_error or error
             failed = 0
             for sample, value in zip(samples, values, strict=True):
@@ -118,6 +149,8 @@ class Rewards:
             ok = [v for v in values if v is not None]
             metrics[f"reward/{source.name}"] = sum(ok) / len(ok) if ok else float("nan")
             metrics[f"reward/{source.name}/failed"] = failed
+            if source.pooled:
+                metrics[f"reward/{source.name}/timeouts"] = timeouts.get(source.name, 0)
         for sample in samples:
             if sample.valid:
                 sample.reward = sum(s.weight * sample.rewards[s.name] for s in self.sources)
@@ -126,11 +159,13 @@ class Rewards:
         return metrics
 
     def _run(
-        self, source: RewardSource, samples: list[Sample]
+        self, source: RewardSource, samples: list[Sample], timeouts: dict[str, int]
     ) -> tuple[list[float | None], str | None]:
         try:
             if source.genrm:
                 return self._judge(samples)
+            if source.pooled:
+                return self._pooled(source, samples, timeouts)
             values = self.functions[source.name](samples)
             if inspect.isawaitable(values):
                 values = asyncio.run(values)
@@ -139,6 +174,17 @@ class Rewards:
             return [None] * len(
                 samples
             ), f"reward source {source.name!r} raised {type(exc).__name__}: {exc}"
+
+    def _pooled(
+        self, source: RewardSource, samples: list[Sample], timeouts: dict[str, int]
+    ) -> tuple[list[float | None], str | None]:
+        """Each sample in a worker; one over ``timeout_s`` gets 0 and is counted."""
+        call = self.functions[source.name]
+        outcomes = self.pool.run([call(s) for s in samples], source.timeout_s)
+        timeouts[source.name] = sum(o.timed_out for o in outcomes)
+        values = [0.0 if o.timed_out else o.value for o in outcomes]
+        errors = [o.error for o in outcomes if o.error]
+        return values, f"reward source {source.name!r}: {errors[0]}" if errors else None
 
     def _judge(self, samples: list[Sample]) -> tuple[list[float | None], str | None]:
         if self.judge is None:

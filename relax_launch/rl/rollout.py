@@ -109,6 +109,7 @@ def reply_sample(group: int, prompt: Prompt, ids: list[int], reply: dict[str, An
         weight_version=str(meta.get("weight_version")),
         finish_reason=(meta.get("finish_reason") or {}).get("type", ""),
         data_source=prompt.data_source,
+        meta=prompt.meta,
     )
 
 

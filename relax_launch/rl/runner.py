@@ -112,6 +112,8 @@ def run_steps(
             ended = clock()
             result.metrics |= step_times(result.seconds, ended - began)
             began = ended
+            if ctx.control is not None:  # the next step's mask and routing replay
+                result.metrics |= ctx.control.after_step(result.metrics)
             mismatch = ctx.guard.judge(result.metrics) if ctx.guard is not None else None
             history.append(result.metrics)
             ctx.log.write(result.metrics)

@@ -23,6 +23,7 @@ class Sample:
     weight_version: str
     finish_reason: str = ""
     data_source: str = "default"  # the prompt's, for reward functions that branch on it
+    meta: dict | None = None  # the prompt's (a reasoning-gym row's entry), for its reward
     teacher_logprobs: list[float] | None = None  # written back by teacher scoring
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = 0.0

@@ -53,7 +53,7 @@ class Synchronous:
         with stop.abandonable():
             batch = ctx.collect(ctx, seconds)
         stop.check()
-        metrics = train(ctx, batch.samples, seconds)
+        metrics = train(ctx, batch.samples, seconds, step)
         if not stop.requested():  # trained: the step counts even if a stop came meanwhile
             metrics |= sync(ctx, step + 1, seconds)
         return StepResult(step_record(ctx, step, batch, metrics), batch.cursor, seconds)
@@ -79,7 +79,7 @@ class OffPolicy:
         if step + 1 < self.num_steps:
             self.upcoming = self.background.submit(ctx.collect, ctx, {})
         stale = drop_stale(batch.samples, trainer_version=step, bound=1)
-        metrics = train(ctx, batch.samples, seconds)
+        metrics = train(ctx, batch.samples, seconds, step)
         try:
             if self.upcoming is not None:  # the engines must be idle before they take weights
                 with timed(seconds, "wait"), stop.abandonable():
@@ -114,7 +114,7 @@ class FullyAsync:
                 batch = ctx.collect(ctx, seconds, self.finished_groups)
             stop.check()
             stale = drop_stale(batch.samples, trainer_version=step, bound=self.rollout.k)
-            metrics = train(ctx, batch.samples, seconds)
+            metrics = train(ctx, batch.samples, seconds, step)
             phase.busy_s, phase.waited_s = self.rollout.busy_seconds(), seconds["rollout"]
         if not stop.requested():
             self.rollout.pause()  # what the engines were generating continues after the sync

@@ -115,7 +115,7 @@ def engine_worker(
     """This rank's process of ``engine`` (its server not started yet)."""
     section = job.inference_roles()[engine.role]
     model = job.rollout_model() if engine.role == "rollout" else section.model
-    if engine.role == "rollout" and job.algorithm.routing_replay:  # the experts it routed to
+    if engine.role == "rollout" and job.algorithm.records_routing:  # the experts it routed to
         flags = {**section.engine, "enable_return_routed_experts": True}
         section = section.model_copy(update={"engine": flags})
     # its throughput on /v1/loads and /metrics (``inference/engine_load.py``, relax-launch top)

@@ -23,6 +23,7 @@ from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.rl.interfaces import JobStopped
 from relax_launch.runtime.control import ControlChannel
+from relax_launch.runtime.critic_worker import build_critic_worker
 from relax_launch.runtime.distributed import (
     ShardChannel,
     check_same_plan,
@@ -86,6 +87,8 @@ def build_workers(
         start_in_waves(job, plan, rank, store, engines, clock)
     if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
         workers.append(trainer_worker(job, plan, rank, pgc, shards))
+        if job.critic is not None:  # PPO's value model shares the trainer's ranks
+            workers.append(build_critic_worker(job, pgc, shards))
         clock.mark("trainer built")
     for engine in (e for e in engines if e.running and not job.starts_staggered):
         engine.wait_ready(job.cluster.startup_timeout_s)
@@ -259,6 +262,7 @@ def run_controller(
         stop=stop,
         adapters=adapter_serving(job),
         autoscale={r: s for r, s in job.inference_roles().items() if s.autoscale is not None},
+        critic=job.critic is not None,
     )
     adapters = session.weights.adapters is not None
     session.weights.probe = probe_for(job, plan, session.trainer.logprobs, adapters=adapters)

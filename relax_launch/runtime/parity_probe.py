@@ -7,11 +7,14 @@ then keeps the rollout model out of routing, as after a failed broadcast, and th
 Decoupled engines are probed inside the sync, before its commit. Colocated engines (``split``,
 ``defer``) hold no KV cache during their sync turn, so the trainer scores the probe in the sync
 (its parameters are still on the device) and the engines right after their KV cache is back,
-before the batch's first generation (``check_engines``, from ``rl/colocated.py``).
+before the batch's first generation (``check_engines``, from ``rl/colocated.py``); the version
+is committed, and the rollout model routable for the gateway's clients, only once they pass.
 
-A disaggregated pair's prefill half scores the probe alone (SGLang's partner-less bootstrap);
-its decode half computes no prompt logprobs alone, so it is not probed (the step's
-``logprob_diff_max`` still covers the tokens it samples).
+A disaggregated pair's prefill half scores the probe alone (SGLang's partner-less bootstrap).
+Its decode half computes no prompt logprobs, so it generates: the pair continues the start of
+the first probe sequence greedily for ``DECODE_TOKENS`` tokens (the prefill half computes the
+prompt's KV cache and the first token, the decode half the others), and the trainer scores the
+prompt and those tokens in a second forward, after the engines answer.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from relax_launch.console import operator_log
-from relax_launch.inference.disaggregation import ALONE
-from relax_launch.inference.engine import EngineControl, result
+from relax_launch.inference.disaggregation import ALONE, PrefillTarget, bootstrapped
+from relax_launch.inference.engine import EngineControl, EngineHandle, result
 from relax_launch.inference.policy_adapter import adapter_name
 from relax_launch.models.build import ensure_model
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.weights.parity import (
+    EngineGap,
+    decode_request,
+    decoded,
     engine_request,
     engine_rows,
     largest_gap,
@@ -43,6 +49,27 @@ if TYPE_CHECKING:
     from relax_launch.placement.plan import PlacementPlan
 
 TrainerLogprobs = Callable[[TokenBatch], list[list[float]]]
+DECODE_TOKENS = 8  # what a decode half generates for the probe (the first by its prefill half)
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    """A synced engine; its disaggregated half, and a decode half's prefill partner (a decode
+    half without one known is not probed)."""
+
+    engine: EngineTarget
+    half: str | None = None
+    prefill: PrefillTarget | None = None
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A decode half's probe in flight: its prompt, and the pair's two replies to come."""
+
+    engine: EngineTarget
+    prompt: list[int]
+    decode: Future
+    prefill: Future
 
 
 @dataclass
@@ -51,7 +78,7 @@ class Pending:
 
     version: int
     trainer_rows: list[list[float]]
-    targets: list[tuple[EngineTarget, str | None]]  # each engine and its disaggregated half
+    targets: list[ProbeTarget]
     synced: str
     seconds: float
 
@@ -74,25 +101,29 @@ class ParityProbe:
         self.colocated, self.adapters, self.timeout_s = colocated, adapters, timeout_s
         self.pending: Pending | None = None
         self.last: dict[str, float] = {}  # the last probe's metrics
+        self.trainer_s = 0.0  # the trainer's half of the last probe
 
     def after_sync(
         self,
         version: int,
-        targets: list[tuple[EngineTarget, str | None]],
+        targets: list[ProbeTarget],
         reports: list[dict[str, Any]],
         control: EngineControl,
     ) -> None:
         """The trainer's half now; the engines' at the same time (they are other processes)
-        unless colocated, where they score later (``check_engines``)."""
+        unless colocated, where they score later (``check_engines``); then the decode halves'
+        generations, scored by the trainer."""
         began = time.perf_counter()
         scoring = [] if self.colocated else self._submit(version, targets, control)
+        decoding = [] if self.colocated else self._submit_decodes(version, targets, control)
         batch = TokenBatch.next_token(self.sequences, [1] * len(self.sequences))
         rows = self.trainer_logprobs(batch)
+        self.trainer_s = time.perf_counter() - began
         pending = Pending(version, rows, targets, synced_summary(reports), 0.0)
         if self.colocated:
             self.pending = replace(pending, seconds=time.perf_counter() - began)
         else:
-            self._judge(pending, scoring, began)
+            self._judge(pending, scoring, began, decoding)
 
     def check_engines(self, control: EngineControl) -> None:
         """Every pending engine scores the probe; ``ParityError`` names those beyond the
@@ -103,17 +134,53 @@ class ParityProbe:
             self._judge(pending, self._submit(pending.version, pending.targets, control), began)
 
     def _submit(
-        self, version: int, targets: list[tuple[EngineTarget, str | None]], control: EngineControl
+        self, version: int, targets: list[ProbeTarget], control: EngineControl
     ) -> list[tuple[EngineTarget, Future]]:
-        """Every engine's scoring request, started now (decode halves are not probed)."""
+        """Every engine's scoring request, started now (decode halves generate instead)."""
         return [
-            (t, control.submit(t.url, "/generate", self._body(version, half), self.timeout_s))
-            for t, half in targets
-            if half != "decode"
+            (
+                t.engine,
+                control.submit(
+                    t.engine.url, "/generate", self._body(version, t.half), self.timeout_s
+                ),
+            )
+            for t in targets
+            if t.half != "decode"
         ]
 
+    def _submit_decodes(
+        self, version: int, targets: list[ProbeTarget], control: EngineControl
+    ) -> list[Decoding]:
+        """Every decode half's generation with its prefill partner, started now."""
+        prompt = self.sequences[0][: max(1, len(self.sequences[0]) - DECODE_TOKENS)]
+        extra = {"lora_path": adapter_name(version)} if self.adapters else {}
+        started = []
+        for t in (t for t in targets if t.half == "decode" and t.prefill is not None):
+            body = bootstrapped(decode_request(prompt, DECODE_TOKENS, extra), t.prefill)
+            prefill = control.submit(t.prefill.url, "/generate", body, self.timeout_s)
+            decode = control.submit(t.engine.url, "/generate", body, self.timeout_s)
+            started.append(Decoding(t.engine, prompt, decode, prefill))
+        return started
+
+    def _decode_gap(self, decoding: Decoding) -> EngineGap:
+        """A decode half's generated tokens: its logprobs against the trainer's forward of the
+        prompt and those tokens (the other probe sequences fill the trainer's batch)."""
+        result(decoding.prefill, self.timeout_s)  # the prefill half's own reply: its errors
+        tokens, engine_row = decoded(result(decoding.decode, self.timeout_s))
+        engine, prompt = decoding.engine, decoding.prompt
+        sequences = [prompt + tokens, *self.sequences[1:]]
+        batch = TokenBatch.next_token(sequences, [1] * len(sequences))
+        row = self.trainer_logprobs(batch)[0]
+        trainer_row = row[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        gap = largest_gap(f"{engine.label}, decode half", [trainer_row], [engine_row])
+        return replace(gap, position=gap.position + len(prompt) - 1)
+
     def _judge(
-        self, pending: Pending, scoring: list[tuple[EngineTarget, Future]], began: float
+        self,
+        pending: Pending,
+        scoring: list[tuple[EngineTarget, Future]],
+        began: float,
+        decoding: list[Decoding] = (),
     ) -> None:
         """The engines' replies against the trainer's rows; the probe's metrics; the error
         naming every engine beyond the tolerance."""
@@ -122,9 +189,12 @@ class ParityProbe:
             largest_gap(label, pending.trainer_rows, engine_rows(reply, self.sequences))
             for label, reply in replies
         ]
+        gaps += [self._decode_gap(d) for d in decoding]
         self.last = {
             "sync/parity_gap": max((g.gap for g in gaps), default=0.0),
             "sync/probe_s": time.perf_counter() - began,
+            "sync/probe_trainer_s": self.trainer_s,  # its first half, the engines' alongside
+            "sync/probe_decode_halves": float(len(decoding)),
         }
         failed = [g for g in gaps if not g.gap <= self.tolerance]
         if failed:
@@ -135,6 +205,24 @@ class ParityProbe:
         if self.adapters:  # the adapter this sync loaded, not the base weights
             extra["lora_path"] = adapter_name(version)
         return engine_request(self.sequences, extra)
+
+
+def probe_targets(
+    targets: list[EngineTarget], halves: list[str | None], engines: list[EngineHandle]
+) -> list[ProbeTarget]:
+    """The synced engines as the probe reaches them: a decode half with its prefill partner,
+    found among the rollout model's ``engines`` by URL and id."""
+    by_url = {e.url: e for e in engines}
+    by_id = {e.engine_id: e for e in engines}
+    out = []
+    for target, half in zip(targets, halves, strict=True):
+        handle = by_url.get(target.url)
+        partner = by_id.get(handle.prefill_id) if handle and handle.prefill_id else None
+        prefill = None
+        if half == "decode" and partner is not None and partner.bootstrap_port is not None:
+            prefill = PrefillTarget.at(partner.engine_id, partner.url, partner.bootstrap_port)
+        out.append(ProbeTarget(target, half, prefill))
+    return out
 
 
 def synced_summary(reports: list[dict[str, Any]]) -> str:

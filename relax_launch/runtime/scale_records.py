@@ -3,10 +3,14 @@ state of each engine of an elastic role."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from relax_launch.console import operator_log
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.manager import InferenceManager
 
@@ -17,7 +21,9 @@ class Replica:
 
     index: int
     engine_id: str
-    state: str = "pending"  # starting, joining, serving | draining, stopped | failed
+    # scale-out: pending, starting, health_checking, weight_syncing (rollout), serving;
+    # scale-in: draining, stopped; either: failed, or stopped by a cancel
+    state: str = "pending"
     url: str | None = None
     error: str = ""
     seconds: float | None = None
@@ -36,14 +42,16 @@ class ScaleOperation:
     target: int
     timeout_s: float
     source: str  # "api" | "autoscaler"
-    state: str = "running"  # running -> succeeded | failed
+    state: str = "running"  # running (cancelling) -> succeeded | failed | cancelled
     error: str = ""
     replicas: list[Replica] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     finished: float | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)  # asked by the API
 
     def document(self, actual: int) -> dict[str, Any]:
-        """What ``GET /{role}/{kind}/{request_id}`` answers."""
+        """What ``GET /{role}/{kind}/{request_id}`` answers; ``actual``: the role's engines
+        serving now (an engine still starting or syncing is not)."""
         out = {
             "request_id": self.request_id,
             "role": self.role,
@@ -64,12 +72,33 @@ class ScaleOperation:
         return out
 
 
+class Cancelled(Exception):  # noqa: N818 - an operation's end, named for what it is
+    """A scale-out cancelled through the API, its started engines stopped again."""
+
+
 def state_of(manager: InferenceManager, handle: EngineHandle) -> str:
-    """serving, joining (a rollout engine before its first sync), draining or lost."""
+    """serving, weight_syncing (a rollout engine before its first sync), draining or lost."""
     if handle.engine_id in manager.retired:
         return "draining"
     if handle.engine_id in manager.joining:
-        return "joining"
+        return "weight_syncing"
     if handle.engine_id in manager.lost:
         return "lost"
     return "serving"
+
+
+def log_operation(op: ScaleOperation, actual: int, log_dir: Path) -> None:
+    """Every operation's outcome: a line of ``scaling.jsonl`` in the run directory, and one
+    for the operator."""
+    document = op.document(actual)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / "scaling.jsonl").open("a") as log:
+        log.write(json.dumps(document) + "\n")
+    line = (
+        f"relax-launch: {op.role} {op.kind} {op.before} -> {op.target} ({op.source}) "
+        f"{op.state} in {document['seconds']:.1f} s; engines now: {actual}"
+    )
+    if op.error and op.state != "cancelled":
+        operator_log().warning(f"{line}: {op.error}")
+    else:
+        operator_log().info(line)

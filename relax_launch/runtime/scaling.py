@@ -18,7 +18,6 @@ One operation per role at a time; the planned engines are never stopped.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 import uuid
@@ -38,7 +37,13 @@ from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command
 from relax_launch.runtime.rank_commands import StartEngine, StopEngine
 from relax_launch.runtime.scale_admission import check_request, check_target
-from relax_launch.runtime.scale_records import Replica, ScaleOperation, state_of
+from relax_launch.runtime.scale_records import (
+    Cancelled,
+    Replica,
+    ScaleOperation,
+    log_operation,
+    state_of,
+)
 
 HISTORY = 256  # operations kept for their status routes
 STOP_TIMEOUT_S = 60.0
@@ -80,9 +85,14 @@ class EngineScaler:
     # ---- what the routes ask -------------------------------------------------------------
 
     def count(self, role: str) -> int:
-        """The role's engines: the planned ones and the scaled-out ones still running."""
+        """The role's engines counted towards a target: the planned ones and the scaled-out
+        ones started or starting."""
         planned = sum(not e.reserved for e in self.roles[role])
         return planned + len(self.running[role])
+
+    def actual(self, role: str) -> int:
+        """The role's engines serving now (routed: not starting, syncing, draining or lost)."""
+        return len(self.managers[role].serving())
 
     def bounds(self, role: str) -> tuple[int, int]:
         """(planned, max_engines) of ``role``."""
@@ -130,6 +140,26 @@ class EngineScaler:
         op = self.operations.get(request_id)
         return op if op is not None and (op.role, op.kind) == (role, kind) else None
 
+    def listed(self, role: str, kind: str) -> list[ScaleOperation]:
+        """The role's operations of ``kind`` kept (the last ``HISTORY``), newest first."""
+        with self._lock:
+            ops = [op for op in self.operations.values() if (op.role, op.kind) == (role, kind)]
+        return ops[::-1]
+
+    def cancel(self, role: str, request_id: str) -> ScaleOperation:
+        """Ask a scale-out in flight to stop: a start under way ends first (its head rank
+        answers nothing else meanwhile), then every engine it started is stopped by PID and
+        the count is as before. Raises ``ScaleRefused``: 404 unknown, 409 already ended."""
+        op = self.get(role, "scale_out", request_id)
+        if op is None:
+            raise ScaleRefused(404, f"{role} has no scale_out operation {request_id!r}")
+        with self._lock:
+            if op.finished is not None or op.state not in ("running", "cancelling"):
+                raise ScaleRefused(409, f"scale_out {request_id} already ended: {op.state}")
+            op.cancel.set()
+            op.state = "cancelling"
+        return op
+
     def replicas(self, role: str) -> list[dict[str, Any]]:
         """Every engine of ``role`` in the plan: its state, URL and requests in flight."""
         manager = self.managers[role]
@@ -160,7 +190,7 @@ class EngineScaler:
     def scaling(self, role: str) -> dict[str, Any]:
         """``replicas``, and the ``operation`` in flight (None when there is none)."""
         active = self.active.get(role)
-        operation = active.document(self.count(role)) if active is not None else None
+        operation = active.document(self.actual(role)) if active is not None else None
         return {"replicas": self.replicas(role), "operation": operation}
 
     def metrics(self) -> dict[str, float]:
@@ -225,6 +255,8 @@ class EngineScaler:
             else:
                 self._scale_in(op, picks)
             op.state = "succeeded"
+        except Cancelled as exc:
+            op.state, op.error = "cancelled", str(exc)
         except Exception as exc:  # noqa: BLE001 - the operation's answer, not the job's end
             op.state, op.error = "failed", f"{type(exc).__name__}: {exc}"
         finally:
@@ -233,13 +265,14 @@ class EngineScaler:
                 self.active.pop(op.role, None)
                 self.finished[op.role] += 1
                 self.ended[op.role] = time.monotonic()
-            self._log(op)
+            log_operation(op, self.actual(op.role), self.log_dir)
 
     def _scale_out(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
         deadline = Deadline(op.timeout_s)
         manager = self.managers[op.role]
         with ThreadPoolExecutor(max_workers=len(picks)) as pool:
             starts = list(pool.map(self._start, op.replicas, picks, [deadline] * len(picks)))
+        self._stop_if_cancelled(op, picks)
         failed = [r for r in op.replicas if r.state == "failed"]
         if failed:  # stop them all: one may fail its health check with its server up
             self._undo(op, picks, "another engine of this scale-out failed")
@@ -249,12 +282,21 @@ class EngineScaler:
                 + f"); {op.role} keeps {op.before} engines"
             )
         joining = op.role == "rollout"
+        self._stop_if_cancelled(op, picks)
         with self.sync_lock if joining else contextlib.nullcontext():
             for replica, handle in zip(op.replicas, starts, strict=True):
                 manager.add_engine(handle, joining=joining)
-                replica.state = "joining" if joining else "serving"
+                replica.state = "weight_syncing" if joining else "serving"
         if joining:
             self._wait_routed(op, manager, starts, picks, deadline)
+
+    def _stop_if_cancelled(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
+        """A cancelled scale-out: its engines stopped again, the operation ends ``Cancelled``."""
+        if op.cancel.is_set():
+            self._undo(op, picks, "the scale-out was cancelled")
+            raise Cancelled(
+                f"cancelled; the engines it started were stopped, {op.role} keeps {op.before}"
+            )
 
     def _undo(self, op: ScaleOperation, picks: list[EnginePlan], why: str) -> None:
         """A scale-out that failed: stop every engine it started, the count is as before. A
@@ -274,6 +316,7 @@ class EngineScaler:
             left = deadline.left(f"starting {engine.label}")
             command = StartEngine(engine.role, engine.index, left)
             url = self._call(command, [engine.head_rank], left + REPLY_MARGIN_S)[engine.head_rank]
+            replica.state, replica.url = "health_checking", url
             get_json(url, "/health", 10.0)  # routable only once its health check passes
         except Exception as exc:  # noqa: BLE001 - recorded, and the scale-out undone
             replica.state, replica.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -298,6 +341,7 @@ class EngineScaler:
             serving = {e.engine_id for e in manager.serving()}
             if manager.ready and all(h.engine_id in serving for h in handles):
                 break
+            self._stop_if_cancelled(op, picks)  # its undo waits for a sync under way
             if deadline.passed:
                 self._undo(op, picks, "no weight sync took it in time")
                 raise TimeoutError(
@@ -340,22 +384,6 @@ class EngineScaler:
         if replica.state != "failed":
             replica.state = "stopped"
             replica.error = why
-
-    def _log(self, op: ScaleOperation) -> None:
-        """Every operation's outcome: a line of ``scaling.jsonl`` in the run directory, and
-        one for the operator."""
-        document = op.document(self.count(op.role))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with (self.log_dir / "scaling.jsonl").open("a") as log:
-            log.write(json.dumps(document) + "\n")
-        line = (
-            f"relax-launch: {op.role} {op.kind} {op.before} -> {op.target} ({op.source}) "
-            f"{op.state} in {document['seconds']:.1f} s; engines now: {document['actual']}"
-        )
-        if op.error:
-            operator_log().warning(f"{line}: {op.error}")
-        else:
-            operator_log().info(line)
 
 
 def _idle(url: str | None) -> bool:

@@ -21,6 +21,7 @@ from relax_launch.rl.interfaces import RolloutWork
 from relax_launch.runtime.autoscaler import Autoscaler, PhaseAutoscaler, autoscaler_for
 from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.control import Command, ControlChannel, Handler, Shutdown
+from relax_launch.runtime.critic_worker import CriticClient
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
 from relax_launch.runtime.rank_commands import EngineUrl
@@ -64,6 +65,7 @@ class Session:
         stop: StopRequest | None = None,
         adapters: AdapterServing | None = None,
         autoscale: dict[str, InferenceRoleConfig] | None = None,
+        critic: bool = False,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
         self.stop = stop or StopRequest(0, Path("."))  # a test's session: never asked to stop
@@ -72,6 +74,8 @@ class Session:
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
         self.engine_urls: dict[str, list[str]] = {}
         self.trainer = TrainerClient(channel, shards, plan.trainer, handlers)
+        # PPO's value model on the trainer's ranks (runtime/critic_worker.py); None: no critic
+        self.critic = CriticClient(channel, shards, plan.trainer, handlers) if critic else None
         rollout = control_plane.managers.get("rollout") if control_plane else None
         self.weights = WeightSync(
             plan,
@@ -212,13 +216,31 @@ class Session:
         return self.trainer.logprobs(batch)
 
     def save_trainer(self, directory: str) -> list[str]:
-        return self.trainer.save(directory)
+        """The policy's shards, and the value model's beside them (a job with a critic)."""
+        files = self.trainer.save(directory)
+        return files + (self.critic.save(directory) if self.critic is not None else [])
 
     def export_trainer(self, directory: str, dtype: str) -> dict[str, str]:
         return self.trainer.export_hf(directory, dtype)
 
     def load_trainer(self, directory: str) -> int:
+        """The policy's optimizer steps restored (and the value model's state, with a critic)."""
+        if self.critic is not None:
+            self.critic.load(directory)
         return self.trainer.load(directory)
+
+    def critic_values(self, batch: TokenBatch) -> list[list[float]]:
+        """The value model's per-token values of ``batch`` (a job with a critic)."""
+        return self._critic().values(batch)
+
+    def train_critic(self, batch: TokenBatch, value_clip: float | None) -> dict[str, float]:
+        """One value-model step on ``batch`` (returns and old values in it: critic_batch)."""
+        return self._critic().train(batch, value_clip)
+
+    def _critic(self) -> CriticClient:
+        if self.critic is None:
+            raise RuntimeError("this job has no critic section: its trainer holds no value model")
+        return self.critic
 
     def startup_report(self) -> dict[str, Any]:
         """Every rank's start-up phases and the critical path, as of now."""

@@ -35,7 +35,7 @@ from relax_launch.placement.plan import (
 )
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command, RemoteError
 from relax_launch.runtime.engine_restart import PROBE_S, RolloutMembership, engine_alive
-from relax_launch.runtime.parity_probe import ParityProbe
+from relax_launch.runtime.parity_probe import ParityProbe, probe_targets
 from relax_launch.runtime.rank_commands import ConnectWeights, ExportAdapter, SendWeights
 from relax_launch.runtime.router_restarts import RouterRestarts
 from relax_launch.weights.adapter_sync import (
@@ -84,6 +84,7 @@ class WeightSync:
         self.probe: ParityProbe | None = None  # weight_sync.parity_probe, set by the runtime
         self.engine_control = EngineControl()  # kept-alive connections to the rollout engines
         self.weight_version: int | None = None
+        self.uncommitted: int | None = None  # a colocated sync's version, before its probe
         self.membership: RolloutMembership | None = None  # rollout.fault_tolerance only
         self.router_restarts: RouterRestarts | None = None  # the same, behind sglang-router
         self._sync_groups = 0  # broadcast groups formed so far (each one is named anew)
@@ -181,29 +182,37 @@ class WeightSync:
             try:
                 reports = self._sync_whole(weight_version)
                 if self.probe is not None:  # before the commit: a failing engine never serves
-                    targets = list(zip(self.sync_targets, self.halves, strict=True))
+                    engines = rollout.engines if rollout is not None else []
+                    targets = probe_targets(self.sync_targets, self.halves, engines)
                     self.probe.after_sync(weight_version, targets, reports, self.engine_control)
             except BaseException as exc:
                 if rollout is not None:
                     rollout.weights_lost(f"the sync to version {weight_version} failed: {exc}")
                 raise
-            if rollout is not None:
+            if rollout is not None and self.probe is not None and self.probe.colocated:
+                self.uncommitted = weight_version  # routable once its probe passes
+            elif rollout is not None:
                 rollout.weights_committed(weight_version)
             self.weight_version = weight_version
             return reports
 
     def check_parity(self) -> None:
         """A colocated sync's engines score the probe once their KV cache is back
-        (``runtime/parity_probe.py``); a gap beyond the tolerance closes the rollout model as
-        a failed sync does, and is raised."""
+        (``runtime/parity_probe.py``), and only then is the version committed (routable): a
+        gap beyond the tolerance closes the rollout model as a failed sync does, and is
+        raised."""
         if self.probe is None:
             return
-        try:
-            self.probe.check_engines(self.engine_control)
-        except BaseException as exc:
-            if self.rollout is not None:
-                self.rollout.weights_lost(str(exc).splitlines()[0])
-            raise
+        with self.lock:
+            try:
+                self.probe.check_engines(self.engine_control)
+            except BaseException as exc:
+                if self.rollout is not None:
+                    self.rollout.weights_lost(str(exc).splitlines()[0])
+                raise
+            version, self.uncommitted = self.uncommitted, None
+            if version is not None and self.rollout is not None:
+                self.rollout.weights_committed(version)
 
     def _sync_whole(self, weight_version: int) -> list[dict[str, Any]]:
         if self.membership is not None and (members := self.membership.before_sync()):

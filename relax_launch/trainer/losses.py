@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from relax_launch.trainer import surrogates
+from relax_launch.trainer.sequence_mask import sequence_mask
+
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: far past any clip, still finite in fp32 and bf16
 KL_LIMIT = 10.0  # the k3 estimate's cap (as verl's low_var_kl), so one token cannot dominate
 # Token sums the trainer reduces with a max over micro-batches and ranks (the others add up).
-MAX_REDUCED = ("is_ratio_max", "logprob_diff_max")
+MAX_REDUCED = ("is_ratio_max", "logprob_diff_max", "sequence_ratio_max", "m2po_m2_kept_max")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,18 @@ class LossSpec:
     correction: str = "none"  # "token_tis" | "sequence_mis": importance weights engine->trainer
     correction_cap: float = 2.0
     max_response_tokens: int = 0  # token_sum's constant normaliser
+    # the policy-gradient surrogate (``trainer/surrogates.py``): ppo | cispo | sapo | m2po
+    surrogate: str = "ppo"
+    cispo_clip_high: float = 0.2  # CISPO's weight cap is 1 + this
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where the advantage is positive
+    sapo_tau_neg: float = 1.05  # and where it is not
+    m2po_threshold: float = 0.04  # M2PO's bound on the kept tokens' mean squared log-ratio
+    # the control's sequence mask (``trainer/sequence_mask.py``); None: no sequence dropped
+    sequence_ratio_bound: float | None = None
+    # MoE: replay the engine's routing a batch carries; False: only compared (the control's)
+    routing_replay: bool = True
+    # the mismatch guard's bounds (action skip): a batch metric above one withholds the update
+    withhold_above: tuple[tuple[str, float], ...] = ()
 
 
 def log_ratio(logprobs: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -126,6 +141,25 @@ def correction_weights(
     return torch.where(on, weights, torch.zeros_like(weights)), cut.float().sum(), largest
 
 
+def surrogate(
+    ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    spec: LossSpec,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token policy-gradient term ``spec.surrogate`` chooses, and its diagnostics."""
+    if spec.surrogate == "ppo":
+        return surrogates.ppo_clip(ratio, advantages, mask, spec.clip_low, spec.clip_high)
+    if spec.surrogate == "cispo":
+        return surrogates.cispo(ratio, logprobs, advantages, mask, spec.cispo_clip_high)
+    if spec.surrogate == "sapo":
+        return surrogates.sapo(ratio, advantages, mask, spec.sapo_tau_pos, spec.sapo_tau_neg)
+    if spec.surrogate == "m2po":
+        return surrogates.m2po(ratio, advantages, mask, spec.m2po_threshold)
+    raise ValueError(f"unknown policy loss {spec.surrogate!r}")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -134,28 +168,31 @@ def policy_loss(
     spec: LossSpec,
     ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip loss over [batch, tokens]: (loss sum, count, detached token sums).
+    """The policy loss over [batch, tokens]: (loss sum, count, detached token sums).
 
     ``old_logprobs`` are the sampling engine's. Without a correction the ratio is taken to them:
-    ``ratio = exp(logprob - old)``, per token ``-min(ratio * A, clip(ratio, 1 - lo, 1 + hi) *
-    A)``. With one (``spec.correction``) the ratio is taken to the trainer's own logprobs at the
-    start of the step (the proximal policy) and each token's term is multiplied by the
-    importance weight of trainer over engine (``correction_weights``). Plus ``kl_coef *
-    reference_kl`` when reference logprobs are given; summed per ``spec.aggregation``.
+    ``ratio = exp(logprob - old)``, per token PPO-clip's ``-min(ratio * A, clip(ratio, 1 - lo,
+    1 + hi) * A)`` or the surrogate ``spec.surrogate`` names (``trainer/surrogates.py``, with
+    its own token sums). With one (``spec.correction``) the ratio is taken to the trainer's
+    own logprobs at the start of the step (the proximal policy) and each token's term is
+    multiplied by the importance weight of trainer over engine (``correction_weights``).
+    Plus ``kl_coef * reference_kl`` when reference logprobs are given; summed per
+    ``spec.aggregation``.
 
-    The token sums ("tokens", "clipped", "approx_kl" = engine - trainer, "mismatch_kl" = k3 of
-    KL(engine || trainer), "kl_ref", and with a correction "is_cut") divided by "tokens" are the
-    batch's diagnostics; "is_ratio_max" is the largest importance ratio and "logprob_diff_max"
-    the largest |trainer - engine| logprob (both reduced by max).
+    The token sums ("tokens", the surrogate's (PPO's "clipped"), "approx_kl" = engine -
+    trainer, "mismatch_kl" = k3 of KL(engine || trainer), "kl_ref", and with a correction
+    "is_cut") divided by "tokens" are the batch's diagnostics; "is_ratio_max" is the largest
+    importance ratio, "logprob_diff_max" the largest |trainer - engine| logprob and
+    "sequence_ratio_max" the largest sequence ratio (reduced by max). With
+    ``spec.sequence_ratio_bound`` the sequences beyond it are dropped from the loss
+    (``trainer/sequence_mask.py``: "masked_sequences" of "sequences").
     """
     base = old_logprobs if spec.correction == "none" else logprobs.detach()
     ratio = policy_ratio(logprobs, base, mask, spec.ratio)
-    clipped = torch.clamp(ratio, 1.0 - spec.clip_low, 1.0 + spec.clip_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    per_token, surrogate_sums = surrogate(ratio, logprobs, advantages, mask, spec)
     with torch.no_grad():
-        sums = {
+        sums = surrogate_sums | {
             "tokens": mask.sum(),
-            "clipped": aggregate(((ratio - clipped).abs() > 1e-12).float(), mask, "token")[0],
             "approx_kl": log_ratio(logprobs, old_logprobs, mask).sum(),
             "mismatch_kl": aggregate(reference_kl(old_logprobs, logprobs, mask), mask, "token")[0],
             # trainer vs engine on every trained token: the sync's parity when on-policy
@@ -172,5 +209,8 @@ def policy_loss(
         kl = reference_kl(logprobs, ref_logprobs, mask)
         per_token = per_token + spec.kl_coef * kl
         sums["kl_ref"] = aggregate(kl.detach(), mask, "token")[0]
+    keep, sequence_sums = sequence_mask(logprobs, old_logprobs, mask, spec.sequence_ratio_bound)
+    sums |= sequence_sums
+    per_token = per_token * keep  # sequences the control's mask drops: no loss, same count
     loss_sum, count = aggregate(per_token, mask, spec.aggregation, spec.max_response_tokens)
     return loss_sum, count, sums

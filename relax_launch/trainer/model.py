@@ -127,18 +127,23 @@ def build_gpt(
     shape: ModelShape, section: TrainerConfig, pgc: Any, device: str, model_dir: Path
 ) -> Any:
     """A DDP-wrapped GPTModel for this rank's pipeline stage, on torch ``device``."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
     model = build_gpt_module(shape, section, pgc, device, model_dir)
     if section.lora is not None:  # before DDP, which buckets only the trainable parameters
         offset = stage_layers(shape, pgc.pp.rank(), pgc.pp.size()).start
         apply_lora(model, section.lora, pgc.tp, offset, section.seed)
         if section.recompute == "full":  # the embedding is frozen (see inputs_need_grad)
             inputs_need_grad(model)
+    return wrap_ddp(model, section, pgc)
+
+
+def wrap_ddp(model: Any, section: TrainerConfig, pgc: Any) -> Any:
+    """``model`` (its trainable parameters as they are now) under Megatron's DDP."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
     ddp = DistributedDataParallel(
         config=model.config,
         module=model,

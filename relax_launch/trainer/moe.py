@@ -14,7 +14,9 @@ The monitor watches every router of the policy in the training forward: tokens p
 load-balancing loss E·Σ f_i·P_i (1 when balanced; f_i the share of routed slots, P_i the mean
 router probability of expert i) and, where the engine's routing is known, how often the
 trainer's own choice (``routing_mismatch``) and the experts it dispatched to
-(``dispatch_mismatch``: 0 under replay) differ from the engine's, over trained tokens.
+(``dispatch_mismatch``: 0 under replay) differ from the engine's, over trained tokens. A step
+whose ``LossSpec.routing_replay`` is off (``algorithm.control.routing_replay`` before it acts)
+carries the engine's routing for the comparison only (``compare_only``): the routers choose.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ def sequence_first(routed: torch.Tensor, column: int, part: tuple[int, int] = (0
     return layer.transpose(0, 1).reshape(-1, layer.shape[-1])
 
 
+def compare_only(micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    """Keep each micro-batch's engine routing for the monitor's comparison, not for replay."""
+    for batch in micro_batches:
+        if "routed_experts" in batch:
+            batch[COMPARED] = batch.pop("routed_experts")
+
+
+COMPARED = "compared_experts"  # the engine's routing of a micro-batch that is not replayed
 # The engine's routing of the micro-batch being computed, or None: a context variable, so that a
 # recomputation in the backward pass replays its own micro-batch's (``trainer/recompute.py``).
 _ROUTED: ContextVar[torch.Tensor | None] = ContextVar("routed_experts", default=None)
@@ -133,9 +143,10 @@ class RoutingMonitor:
         totals[:e] += (dispatched.double() * real).sum(0)
         totals[e : 2 * e] += (logits.softmax(-1).double() * real).sum(0)
         totals[2 * e] += real.sum()
-        if "routed_experts" in batch:
+        engine_routing = batch.get("routed_experts", batch.get(COMPARED))
+        if engine_routing is not None:
             engine = torch.zeros_like(chosen)
-            routed = sequence_first(batch["routed_experts"], column, self.part)
+            routed = sequence_first(engine_routing, column, self.part)
             engine.scatter_(1, routed.long(), True)
             trained = sequence_first(batch["trained"][..., None, None] > 0, 0, self.part)[:, 0]
             totals[2 * e + 1] += ((chosen != engine).any(-1) & trained).sum()

@@ -27,7 +27,7 @@ from relax_launch.trainer.forward import forward_step
 from relax_launch.trainer.hf_dir import DTYPES, write_shards
 from relax_launch.trainer.hf_export import HFExport
 from relax_launch.trainer.lora import adapters_off, is_adapter, targets_of
-from relax_launch.trainer.losses import MAX_REDUCED, LossSpec
+from relax_launch.trainer.losses import LossSpec
 from relax_launch.trainer.model import (
     build_gpt,
     build_gpt_module,
@@ -35,17 +35,9 @@ from relax_launch.trainer.model import (
     load_hf_checkpoint,
     read_shape,
 )
-from relax_launch.trainer.moe import moe_routing
+from relax_launch.trainer.moe import compare_only, moe_routing
 from relax_launch.trainer.offload import PARTS, StateOffloader
-
-SUMMED = ("loss_sum", "count", "tokens", "clipped", "approx_kl", "mismatch_kl", "is_cut", "kl_ref")
-PER_TOKEN = {  # token sums reported as per-token means, under these names
-    "clipped": "clip_fraction",
-    "approx_kl": "approx_kl",
-    "mismatch_kl": "mismatch_kl",
-    "is_cut": "is_cut_fraction",
-    "kl_ref": "kl_ref",
-}
+from relax_launch.trainer.step_metrics import batch_metrics, beyond_bounds
 
 
 class Trainer:
@@ -120,42 +112,35 @@ class Trainer:
 
         Returns the grad norm, and on the last pipeline stage the global batch's loss (and, for
         PPO, the clipped fraction, the approximate KL to the sampling policy and to the
-        reference).
+        reference). A batch beyond ``spec.withhold_above`` leaves the weights as they were
+        (``update_withheld``: the mismatch guard's ``skip``).
         """
         self.offloader.require("train_step", PARTS)
         spec = spec or LossSpec()
         micro_batches = self._micro_batches(shard)
+        if self.moe is not None and not spec.routing_replay:  # the control has not turned it on
+            compare_only(micro_batches)
         if spec.kl_coef > 0:
             self._add_reference_logprobs(micro_batches)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._schedule(self.model, micro_batches, forward_only=False, spec=spec)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise RuntimeError(f"trainer step {self.step}: optimizer skipped the update")
-        self.step += 1
-        metrics = {"grad_norm": float(grad_norm or 0.0)}
+        # the loss exists only where the logits are
+        metrics = batch_metrics(outputs, self.pgc.dp) if self.is_last_stage else {}
+        if spec.withhold_above and beyond_bounds(
+            metrics, spec.withhold_above, self.is_last_stage, self.pgc.trainer, self.torch_device
+        ):
+            self.optimizer.zero_grad()
+            metrics |= {"grad_norm": 0.0, "update_withheld": 1.0}
+        else:
+            update_ok, grad_norm, _ = self.optimizer.step()
+            if not update_ok:
+                raise RuntimeError(f"trainer step {self.step}: optimizer skipped the update")
+            self.step += 1
+            metrics |= {"grad_norm": float(grad_norm or 0.0), "update_withheld": 0.0}
         if self.moe is not None:  # every rank: the routers are spread over DP and PP ranks
             groups = [self.pgc.dp, self.pgc.cp, self.pgc.pp, self.pgc.tp]
             metrics |= self.moe.monitor.metrics(groups)
-        if self.is_last_stage:  # the loss exists only where the logits are
-            metrics.update(self._batch_metrics(outputs))
-        return metrics
-
-    def _batch_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """The global batch's loss and per-token diagnostics, from every micro-batch's sums on
-        every data-parallel rank (and the largest importance ratio, by max)."""
-        keys = [k for k in SUMMED if k in outputs[0]]
-        totals = torch.stack([sum(o[k].float() for o in outputs) for k in keys])
-        dist.all_reduce(totals, group=self.pgc.dp)
-        total = dict(zip(keys, totals.tolist(), strict=True))
-        tokens = max(total["tokens"], 1.0)
-        metrics = {"loss": total["loss_sum"] / max(total["count"], 1.0)}
-        metrics.update({PER_TOKEN[k]: total[k] / tokens for k in keys if k in PER_TOKEN})
-        for key in (k for k in MAX_REDUCED if k in outputs[0]):
-            largest = torch.stack([o[key].float() for o in outputs]).max()
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.pgc.dp)
-            metrics[key] = float(largest)
         return metrics
 
     @property

@@ -42,7 +42,15 @@ class Scaler:
         op = self.ops.get(request_id)
         return op if op is not None and op.kind == kind else None
 
-    def count(self, role: str) -> int:
+    def listed(self, role, kind):
+        return [op for op in self.ops.values() if op.kind == kind]
+
+    def cancel(self, role, request_id):
+        if request_id not in self.ops:
+            raise ScaleRefused(404, f"genrm has no scale_out operation {request_id!r}")
+        raise ScaleRefused(409, f"scale_out {request_id} already ended: succeeded")
+
+    def actual(self, role: str) -> int:
         return 1
 
     def scaling(self, role: str) -> dict:
@@ -83,8 +91,20 @@ def test_scale_routes_answer_each_status():
         assert httpx.get(url + "/genrm/scale_out/abc123").status_code == 401
         engines = httpx.get(url + "/genrm/admin/engines", headers=AUTH).json()
         assert engines["replicas"] == [{"index": 1, "state": "starting"}]
+        listed = httpx.get(url + "/genrm/scale_out", headers=AUTH)
+        assert listed.status_code == 200 and [
+            o["request_id"] for o in listed.json()["operations"]
+        ] == ["abc123"]
+        assert httpx.get(url + "/genrm/scale_in", headers=AUTH).json()["operations"] == []
+        assert httpx.get(url + "/genrm/scale_out").status_code == 401
+        assert post(url, "/genrm/scale_out/abc123/cancel", None, auth=None).status_code == 401
+        reply = post(url, "/genrm/scale_out/abc123/cancel", None)
+        assert reply.status_code == 409 and "already ended" in error(reply)
+        assert post(url, "/genrm/scale_out/nope/cancel", None).status_code == 404
+        assert post(url, "/genrm/scale_in/abc123/cancel", None).status_code in (404, 405)
         paths = httpx.get(url + "/openapi.json").json()["paths"]
-        assert {"/genrm/scale_out", "/genrm/scale_in/{request_id}"} <= set(paths)
+        wanted = {"/genrm/scale_out", "/genrm/scale_in/{request_id}"}
+        assert wanted | {"/genrm/scale_out/{request_id}/cancel"} <= set(paths)
 
 
 def test_before_the_session_the_routes_are_409_and_a_static_role_has_none():

@@ -349,6 +349,26 @@ CASES = {
         [MOE, "algorithm.routing_replay=true", "rollout.function=tiny_agent:run"],
         ["algorithm.routing_replay records the experts of each generate call"],
     ),
+    "the control's routing replay on a dense model": (
+        ["algorithm.control.routing_replay={}"],
+        ["algorithm.control.routing_replay", "is dense"],
+    ),
+    "the control's routing replay with a rollout function": (
+        [MOE, "algorithm.control.routing_replay={}", "rollout.function=tiny_agent:run"],
+        ["algorithm.control.routing_replay records the experts of each generate call"],
+    ),
+    "the control's routing replay with prefill engines": (
+        [MOE, "algorithm.control.routing_replay={}", "rollout.prefill.ranks=1"],
+        ["algorithm.routing_replay and algorithm.control.routing_replay off"],
+    ),
+    "the control's staleness action without the fully asynchronous schedule": (
+        ["algorithm.control.staleness={}"],
+        ["algorithm.control.staleness acts only with algorithm.max_staleness"],
+    ),
+    "a control without an action": (
+        ["algorithm.control={}"],
+        ["algorithm.control has no action"],
+    ),
     "LoRA on a mixture-of-experts model": (
         [MOE, "trainer.lora.rank=4"],
         ["trainer.lora", "adapters on experts are not supported"],

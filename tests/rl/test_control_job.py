@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 def test_the_staleness_bound_follows_the_mismatch(tmp_path):
     config = Path(__file__).parent / "async_tiny.yaml"
     # stale samples at lr 1e-3 show mismatch_kl 1e-3 to 1e-2: any of them tightens the bound
-    control = ["algorithm.control.tighten_above=1e-4", "algorithm.num_steps=5"]
+    control = ["algorithm.control.staleness.tighten_above=1e-4", "algorithm.num_steps=5"]
     result = run_tiny(config, f"logging.dir={tmp_path}", *control)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

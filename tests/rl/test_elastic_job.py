@@ -95,7 +95,7 @@ def finished(gateway: str, kind: str, request_id: str) -> dict:
 
     def ended() -> dict | None:
         doc = httpx.get(f"{gateway}/genrm/{kind}/{request_id}", headers=AUTH, timeout=10).json()
-        return doc if doc["state"] != "running" else None
+        return doc if doc["state"] not in ("running", "cancelling") else None
 
     return wait_for(f"{kind} {request_id}", ended)
 
@@ -171,6 +171,14 @@ def test_genrm_scales_out_by_the_autoscaler_and_in_by_the_api(tmp_path):
         assert done["replicas"][0]["state"] == "stopped", done
         assert done["replicas"][0]["rerouted"] >= 1, done
         assert routable(gateway) == ["tiny-llama/0"]
+        # RFC #351's list and cancel routes: each kind's operations, newest first; a cancel of
+        # one that ended is 409, of an unknown id 404 (a cancel in flight: the slow test below)
+        for kind, source in (("scale_out", "autoscaler"), ("scale_in", "api")):
+            listed = httpx.get(f"{gateway}/genrm/{kind}", headers=AUTH, timeout=10).json()
+            assert [o["source"] for o in listed["operations"]] == [source], listed
+        out_id = decision["request_id"]
+        assert scale(gateway, f"scale_out/{out_id}/cancel", None).status_code == 409
+        assert scale(gateway, "scale_out/0123456789abcdef/cancel", None).status_code == 404
         live = watch_top(gateway, seconds=4)  # relax-launch top in a pseudo-terminal
         assert "tiny-llama/0" in live and "serving" in live and "reserved" in live, live
         burst.stop()
@@ -189,6 +197,47 @@ def test_genrm_scales_out_by_the_autoscaler_and_in_by_the_api(tmp_path):
     assert any(row.get("genrm/engines") == 2 for row in metrics), metrics[-1]
     operations = (run_dir / "scaling.jsonl").read_text().splitlines()
     assert [json.loads(line)["operation"] for line in operations] == ["scale_out", "scale_in"]
+
+
+@pytest.mark.slow  # one more engine start; the default test above asks the other statuses
+def test_a_scale_out_cancelled_while_its_engine_starts_leaves_the_count(tmp_path):
+    """RFC #351's cancel, for real: the scale-out's 202 answers ``actual`` 1 (the engine
+    serving), the cancel 202 ``cancelling``; the start ends, its server is stopped by PID, and
+    the role keeps its one engine; the operation is listed as ``cancelled``."""
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    cli = Path(sys.executable).with_name("relax-launch")
+    env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN}
+    with open(console, "w") as out:
+        job = subprocess.Popen(
+            [str(cli), "run", str(HERE / "elastic_tiny.yaml"), f"logging.dir={run_dir}"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        gateway = wait_for("gateway.json", lambda: _gateway(run_dir, job, console))
+        wait_for("the job's roles ready", lambda: _ready(gateway, job, console), 400)
+        servers = len(processes_tagged(os.environ[TEST_TAG]))
+        reply = scale(gateway, "scale_out", {"num_replicas": 2})
+        assert reply.status_code == 202 and reply.json()["actual"] == 1, reply.text
+        request_id = reply.json()["request_id"]
+        cancel = scale(gateway, f"scale_out/{request_id}/cancel", None)
+        assert cancel.status_code == 202 and cancel.json()["state"] == "cancelling", cancel.text
+        assert cancel.headers["location"] == f"/genrm/scale_out/{request_id}"
+        done = finished(gateway, "scale_out", request_id)
+        assert done["state"] == "cancelled" and done["actual"] == 1, done
+        assert [r["state"] for r in done["replicas"]] == ["stopped"], done
+        assert routable(gateway) == ["tiny-llama/0"]
+        assert [r["state"] for r in replicas(gateway)] == ["serving", "reserved"]
+        listed = httpx.get(f"{gateway}/genrm/scale_out", headers=AUTH, timeout=10).json()
+        assert [o["state"] for o in listed["operations"]] == ["cancelled"]
+        assert scale(gateway, f"scale_out/{request_id}/cancel", None).status_code == 409
+        # the started server is gone (stopped by its PID), nothing else of the job is
+        alive = lambda: len(processes_tagged(os.environ[TEST_TAG])) <= servers  # noqa: E731
+        wait_for("the cancelled engine's processes gone", alive, 60)
+    finally:
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=120)
+    assert code == STOPPED, console.read_text()[-4000:]
+    assert not processes_tagged(os.environ[TEST_TAG])
 
 
 def top_once(run_dir: Path) -> str:

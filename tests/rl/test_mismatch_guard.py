@@ -61,11 +61,22 @@ def test_stale_samples_are_bounded_by_their_importance_ratios_only():
     assert first_trip(unbounded, broken_async) is None
 
 
-def test_other_precisions_have_no_on_policy_bound_unless_set():
-    bf16 = MismatchGuard.of(MismatchGuardConfig(), "bfloat16", "bfloat16")
-    assert bf16.logprob_diff_max is None and bf16.mismatch_kl is None
-    assert first_trip(bf16, BROKEN_LORA) is None  # no measured bf16 bound: no guess
-    chosen = MismatchGuard.of(MismatchGuardConfig(mismatch_kl=0.5), "bfloat16", "float32")
+# (staleness, logprob_diff_max, mismatch_kl) of healthy bf16 quickstart steps (SmolLM2, CPU)
+BF16 = [(0, 0.283, 1.30e-3), (0, 0.203, 1.26e-3), (0, 0.228, 1.27e-3), (0, 0.164, 1.29e-3)]
+MIXED = [(0, 0.156, 5.9e-4), (0, 0.762, 7.9e-3), (0, 0.620, 8.1e-3), (0, 0.393, 2.5e-3)]
+
+
+def test_bfloat16_bounds_the_mean_kl_only_and_float16_has_no_bound_unless_set():
+    for dtypes in (("bfloat16", "bfloat16"), ("float32", "bfloat16")):
+        bf16 = MismatchGuard.of(MismatchGuardConfig(), *dtypes)
+        assert bf16.logprob_diff_max is None  # a max over every token: heavy-tailed in bf16
+        assert first_trip(bf16, BF16) is None and first_trip(bf16, MIXED) is None
+        step, cause = first_trip(bf16, BROKEN_LORA)
+        assert step == 1 and "mismatch_kl 3.44 > 0.1" in cause
+    fp16 = MismatchGuard.of(MismatchGuardConfig(), "float16", "float16")
+    assert fp16.logprob_diff_max is None and fp16.mismatch_kl is None
+    assert first_trip(fp16, BROKEN_LORA) is None  # no measured float16 bound: no guess
+    chosen = MismatchGuard.of(MismatchGuardConfig(mismatch_kl=0.5), "float16", "float32")
     assert first_trip(chosen, BROKEN_LORA)[0] == 1
     assert MismatchGuard.of(MismatchGuardConfig(action="off"), *FP32) is None
 
@@ -111,3 +122,46 @@ def test_warn_logs_each_trip_counts_it_and_goes_on(tmp_path, caplog):
     assert [h["guard/tripped"] for h in history] == [0.0, 1.0, 0.0]
     warned = [r.getMessage() for r in caplog.records if "mismatch guard" in r.getMessage()]
     assert len(warned) == 1 and "on-policy step 2" in warned[0]
+
+
+def test_skip_gives_the_trainer_the_bounds_of_the_batch_staleness():
+    guard = MismatchGuard.of(MismatchGuardConfig(action="skip"), *FP32)
+    assert guard.withhold_above(0) == (("logprob_diff_max", 0.01), ("mismatch_kl", 1e-4))
+    assert guard.withhold_above(2) == (("mismatch_kl", 1.0),)  # cause's off-policy bound
+    unbounded = MismatchGuard.of(MismatchGuardConfig(action="skip"), "float16", "float16")
+    assert unbounded.withhold_above(0) == ()  # no measured float16 bound: nothing withheld
+    for action in ("stop", "warn"):  # only skip holds the update back
+        assert MismatchGuard.of(MismatchGuardConfig(action=action), *FP32).withhold_above(0) == ()
+
+
+def withheld(recorded, flags):
+    """Recorded rows with the trainer's ``update_withheld`` per step."""
+    return [r | {"update_withheld": float(f)} for r, f in zip(rows(recorded), flags, strict=True)]
+
+
+def test_skip_goes_on_after_a_withheld_step_and_counts_them_in_a_row(caplog):
+    guard = MismatchGuard.of(MismatchGuardConfig(action="skip", max_skips=2), *FP32)
+    steps = [ON_POLICY_FP32[0], CORRUPTED[0], CORRUPTED[0], ON_POLICY_FP32[1], CORRUPTED[0]]
+    with caplog.at_level(logging.WARNING):
+        verdicts = [guard.judge(m) for m in withheld(steps, [0, 1, 1, 0, 1])]
+    assert verdicts == [None] * 5  # two in a row, then a good step resets the count
+    warned = [r.getMessage() for r in caplog.records if "withheld this step" in r.getMessage()]
+    assert len(warned) == 3 and "withheld 2 of algorithm.mismatch_guard.max_skips=2" in warned[1]
+    assert "withheld 1 of" in warned[2]
+    stop = [guard.judge(m) for m in withheld([CORRUPTED[0]] * 2, [1, 1])][-1]
+    assert isinstance(stop, MismatchStop) and "3 steps in a row withheld" in str(stop)
+
+
+def test_skip_stops_a_step_the_trainer_did_update():
+    """The trainer's bounds and the guard's are one: a step beyond them that the trainer
+    updated anyway is not passed over as withheld."""
+    guard = MismatchGuard.of(MismatchGuardConfig(action="skip"), *FP32)
+    assert isinstance(guard.judge(withheld([CORRUPTED[0]], [0])[0]), MismatchStop)
+
+
+def test_a_resumed_run_counts_the_withheld_steps_it_ended_on():
+    guard = MismatchGuard.of(MismatchGuardConfig(action="skip", max_skips=2), *FP32)
+    guard.resume(withheld([CORRUPTED[0]] * 3, [1, 0, 1]))
+    assert guard.withheld_in_a_row == 1
+    guard.judge(withheld(CORRUPTED, [1])[0])  # the second in a row: still within max_skips
+    assert isinstance(guard.judge(withheld(CORRUPTED, [1])[0]), MismatchStop)

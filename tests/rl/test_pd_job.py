@@ -168,6 +168,8 @@ def test_prefill_decode_job_trains_serves_and_ends_naming_a_dead_prefill(tmp_pat
     try:
         steps = job.wait_for_steps(3)
         assert_parity_after_every_sync(steps[:3])
+        for s in steps[:3]:  # the probe reached the decode half too, by generating
+            assert s["sync/probe_decode_halves"] == 1 and s["sync/parity_gap"] <= TOLERANCE
         gateway = json.loads((job.run_dir / "gateway.json").read_text())["url"]
         (engine,) = httpx.get(f"{gateway}/rollout/engines").json()["models"]["tiny-llama"][
             "engines"

@@ -58,6 +58,7 @@ def test_curves_have_a_titled_panel_per_metric_with_a_smoothed_line(tmp_path):
             "reward": s / 10,
             "reward/answer": s / 20,
             "reward/answer/failed": 0,
+            "reward/answer/timeouts": 1,  # a count, like failed: no panel of its own
             "reward/judge": math.nan,  # every judge reply failed: no panel
             "reverse_kl": 0.01 * s,
             "kl_ref": 0.02 * s,

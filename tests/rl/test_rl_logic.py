@@ -365,6 +365,7 @@ def test_step_time_covers_the_whole_step_and_other_is_what_no_phase_covers(monke
         checkpoint_every=None,
         exports=None,
         guard=None,  # algorithm.mismatch_guard: rl/mismatch_guard.py's tests
+        control=None,  # algorithm.control: test_control_actions.py
     )
     history = runner.run(ctx, StepsOfSixSeconds(), 3, tmp_path)
     # step k's window starts where step k-1's ended: writing step k-1's row is in step k

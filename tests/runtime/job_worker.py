@@ -215,7 +215,7 @@ def scale_rollout(session):
     session.connect_weight_sync()
     session.sync_weights(0)
     manager = session.control_plane.managers["rollout"]
-    joining = scaled(session, "scale_out", 2, until="joining")
+    joining = scaled(session, "scale_out", 2, until="weight_syncing")
     report = {"joining": joining, "serving_while_joining": [e.url for e in manager.serving()]}
     batch = TokenBatch.next_token(SEQUENCES, [1, 1])
     session.train_step(batch)
@@ -252,7 +252,7 @@ def scale_behind_router(session):
     session.connect_weight_sync()
     session.sync_weights(0)
     router = session.control_plane.router.url
-    joining = scaled(session, "scale_out", 2, until="joining")
+    joining = scaled(session, "scale_out", 2, until="weight_syncing")
     report = {"joining": joining, "workers_joining": router_workers(router)}
     session.sync_weights(1)  # takes the new engine in
     report["scale_out"] = done = scaled_status(session, joining)

@@ -25,7 +25,7 @@ def test_a_scaled_out_rollout_engine_serves_the_current_version_and_leaves_clean
     assert code == 0, output[-4000:]
     report = json.loads(out.read_text())
     # started, healthy, but out of routing until a sync takes it in
-    assert report["joining"]["replicas"][0]["state"] == "joining", report["joining"]
+    assert report["joining"]["replicas"][0]["state"] == "weight_syncing", report["joining"]
     assert len(report["serving_while_joining"]) == 1
     done = report["scale_out"]
     assert done["state"] == "succeeded" and done["actual"] == 2, done
@@ -54,7 +54,7 @@ def test_behind_sglang_router_a_scaled_out_engine_serves_once_synced_and_leaves_
     code, output = finish(process, 500)
     assert code == 0, output[-4000:]
     report = json.loads(out.read_text())
-    assert report["joining"]["replicas"][0]["state"] == "joining", report["joining"]
+    assert report["joining"]["replicas"][0]["state"] == "weight_syncing", report["joining"]
     new = report["new"]
     assert new not in report["workers_joining"] and len(report["workers_joining"]) == 1
     assert report["scale_out"]["state"] == "succeeded", report["scale_out"]

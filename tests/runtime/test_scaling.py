@@ -93,10 +93,10 @@ def scaler(tmp_path, monkeypatch):
 
 def ended(scaler, op, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
-    while op.state == "running":
+    while op.state in ("running", "cancelling"):
         assert time.monotonic() < deadline, op
         time.sleep(0.01)
-    return op.document(scaler.count(op.role))
+    return op.document(scaler.actual(op.role))
 
 
 def routed(manager) -> list[str]:
@@ -128,6 +128,36 @@ def test_a_failed_start_leaves_the_count_and_stops_the_engines_that_started(scal
     assert stopped == [1, 2]  # the one that started, and the failed one (whatever it left)
     assert [r["state"] for r in doc["replicas"]] == ["stopped", "failed"]
     assert [r["state"] for r in scaler.replicas("genrm")] == ["serving", "reserved", "reserved"]
+
+
+def test_actual_counts_serving_engines_and_a_cancel_stops_the_started_ones(scaler):
+    """RFC #351's cancel: the 202 of a scale-out answers the engines serving (1), not the
+    target; a cancel while the starts are under way lets them end, stops every engine they
+    started by its head rank, and the count is as before."""
+    scaler.ranks.gate = threading.Event()
+    op = scaler.request("genrm", "scale_out", 3)
+    time.sleep(0.2)
+    doc = op.document(scaler.actual("genrm"))
+    assert (doc["actual"], doc["target"]) == (1, 3) and scaler.count("genrm") == 3
+    assert [r["state"] for r in doc["replicas"]] == ["starting", "starting"]
+    assert scaler.cancel("genrm", op.request_id).state == "cancelling"
+    assert scaler.cancel("genrm", op.request_id) is op  # asking again changes nothing
+    scaler.ranks.gate.set()
+    doc = ended(scaler, op)
+    assert doc["state"] == "cancelled" and doc["actual"] == 1 and scaler.count("genrm") == 1
+    assert "genrm keeps 1" in doc["error"]
+    assert [r["state"] for r in doc["replicas"]] == ["stopped", "stopped"]
+    assert sorted(c.index for c in scaler.ranks.commands if isinstance(c, StopEngine)) == [1, 2]
+    assert routed(scaler.manager) == ["tiny-llama/0"]
+    for wrong, status in ((op.request_id, 409), ("nope", 404)):
+        with pytest.raises(ScaleRefused) as refused:
+            scaler.cancel("genrm", wrong)
+        assert refused.value.status == status
+    scaler.ranks.gate = None
+    done = ended(scaler, scaler.request("genrm", "scale_out", 2))
+    assert done["state"] == "succeeded" and done["actual"] == 2
+    assert [o.state for o in scaler.listed("genrm", "scale_out")] == ["succeeded", "cancelled"]
+    assert scaler.listed("genrm", "scale_in") == []
 
 
 REFUSALS = {

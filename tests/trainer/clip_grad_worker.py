@@ -59,15 +59,34 @@ def norm(tensors: dict[str, torch.Tensor]) -> float:
     return float(torch.nn.utils.get_total_norm(list(tensors.values())))
 
 
+BATCH = TokenBatch(
+    tuple(map(tuple, TOKENS)),
+    tuple(tuple(float(j > 0) for j in range(len(t))) for t in TOKENS),
+    tuple(tuple(LOSS_SCALE for _ in t) for t in TOKENS),
+)
+
+
+def withheld_step(trainer) -> dict:
+    """A step the mismatch guard's ``skip`` holds back (its loss above the bound, known on the
+    last stage only): whether every rank's weights and step count stayed as they were."""
+    from relax_launch.trainer.losses import LossSpec
+
+    before, step = full_tensors(trainer, lambda p: p), trainer.step
+    metrics = trainer.train_step(BATCH, LossSpec(withhold_above=(("loss", 0.0),)))
+    after = full_tensors(trainer, lambda p: p)
+    return {
+        "update_withheld": metrics["update_withheld"],
+        "weights_changed": any(not torch.equal(before[k], after[k]) for k in before),
+        "step_counted": trainer.step != step,
+    }
+
+
 def one_step(section: TrainerConfig, pgc, unclipped: dict | None) -> tuple[dict, dict]:
-    """Train one step; returns the report and the gathered gradients the optimizer used."""
+    """Train one step, then one withheld; returns the report and the gathered gradients the
+    optimizer used."""
     from relax_launch.trainer.trainer import Trainer
 
-    batch = TokenBatch(
-        tuple(map(tuple, TOKENS)),
-        tuple(tuple(float(j > 0) for j in range(len(t))) for t in TOKENS),
-        tuple(tuple(LOSS_SCALE for _ in t) for t in TOKENS),
-    )
+    batch = BATCH
     trainer = Trainer(section=section, model_dir=Path(section.model), pgc=pgc, device="cpu")
     metrics = trainer.train_step(batch)
     grads = full_tensors(trainer, lambda p: p.grad)
@@ -86,6 +105,7 @@ def one_step(section: TrainerConfig, pgc, unclipped: dict | None) -> tuple[dict,
         "used_grad_norm": norm(used),
         "used_minus_scaled_unclipped": off,
         "largest_used": max(float(t.abs().max()) for t in used.values()),
+        "withheld": withheld_step(trainer),
     }
     return report, grads
 

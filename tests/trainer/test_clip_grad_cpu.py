@@ -3,7 +3,9 @@
 Two ranks split the tiny Llama by TP or PP; a step whose loss is scaled 1000x has a gradient
 norm in the thousands. The trainer must report the pre-clip norm of the whole model (as computed
 here from the gradients gathered over both ranks, not Megatron's per-rank share), and with
-clip_grad=1 the gradient Adam steps with must be the unclipped one scaled to norm 1.
+clip_grad=1 the gradient Adam steps with must be the unclipped one scaled to norm 1. A step
+beyond the mismatch guard's bounds (``LossSpec.withhold_above``, known on the last pipeline stage
+only) leaves every rank's weights as they were.
 """
 
 from __future__ import annotations
@@ -31,3 +33,9 @@ def test_clip_grad_scales_the_update_by_the_global_norm(tiny_model, venv_env, tp
     assert unclipped["used_grad_norm"] == pytest.approx(norm, rel=1e-5), "clip_grad=0 is off"
     assert clipped["grad_norm_after_step"] == pytest.approx(1.0, rel=1e-5), clipped
     assert clipped["used_grad_norm"] == pytest.approx(1.0, rel=1e-5), clipped
+    for report in (unclipped, clipped):  # every rank agreed to hold the update back
+        assert report["withheld"] == {
+            "update_withheld": 1.0,
+            "weights_changed": False,
+            "step_counted": False,
+        }

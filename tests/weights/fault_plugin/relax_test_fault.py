@@ -12,8 +12,9 @@ Without ``RELAX_TEST_FAULT_AT`` it does nothing.
 With ``RELAX_TEST_CORRUPT_AT`` = V, every engine that takes weight version V adds noise to
 one of its parameters right after the update (an engine that took other weights than the
 trainer sent, as a broken LoRA merge or layout would leave it): what the parity probe after
-every sync (``runtime/parity_probe.py``) must catch. Test-only: nothing outside ``tests/``
-reads the variable.
+every sync (``runtime/parity_probe.py``) must catch. With ``RELAX_TEST_CORRUPT_HALF`` =
+prefill or decode, only that half of a disaggregated pair is corrupted. Test-only: nothing
+outside ``tests/`` reads the variables.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def corrupt(original, manager, weight_version):
     """After the engine records ``weight_version``: noise on its first 2-D layer weight."""
     original(manager, weight_version)
     if weight_version != os.environ["RELAX_TEST_CORRUPT_AT"]:
+        return
+    half = os.environ.get("RELAX_TEST_CORRUPT_HALF")
+    if half and manager.tp_worker.model_runner.server_args.disaggregation_mode != half:
         return
     import torch
 

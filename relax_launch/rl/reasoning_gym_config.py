@@ -1,0 +1,56 @@
+"""The ``data.reasoning_gym`` section: how ``data.dataset: reasoning_gym:TASK[+TASK...]``
+draws its rows (how many, each task's own config, how the prompt asks for the answer and how
+the reward finds it). Task names and task configs are checked against reasoning-gym when the
+config is read, so a typo fails before any process starts."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from relax_launch.config.section import Section
+
+PREFIX = "reasoning_gym:"
+ANSWER_FORMAT = (
+    "Think briefly, then give your final answer inside <answer></answer> tags, "
+    "e.g. <answer>42</answer>."
+)
+
+
+class ReasoningGymConfig(Section):
+    """reasoning-gym's procedural tasks as prompts (no downloads)."""
+
+    size: int = Field(1000, ge=1, description="Rows generated of each task.")
+    tasks: dict[str, dict[str, Any]] = Field(
+        {},
+        description="Each task's own config (reasoning-gym's fields of that task, e.g. "
+        "{chain_sum: {min_terms: 2, max_terms: 3}}); a task not named uses its defaults.",
+    )
+    answer_format: str = Field(
+        ANSWER_FORMAT,
+        description="Appended to every question: how to state the answer (it must match "
+        "answer_pattern). Empty: the question alone.",
+    )
+    answer_pattern: str = Field(
+        r"<answer>(.*?)</answer>",
+        description="Regex whose first group, at its last match in the response, is the answer "
+        "builtin:reasoning_gym scores (none: reward 0).",
+    )
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _one_group(cls, pattern: str) -> str:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as exc:
+            raise ValueError(f"answer_pattern {pattern!r} is not a regex: {exc}") from None
+        if groups < 1:
+            raise ValueError(f"answer_pattern {pattern!r} needs a group (...) around the answer")
+        return pattern
+
+
+def task_names(dataset: str) -> list[str]:
+    """The tasks of ``reasoning_gym:A+B``."""
+    return dataset[len(PREFIX) :].split("+")

@@ -1,0 +1,122 @@
+"""The value model's commands (PPO's critic on the trainer's ranks): the records rank 0 sends,
+the worker that answers them on each trainer rank, and rank 0's typed client. Batches go
+beside the commands over the ``ShardChannel``, as the trainer's do; per-token values come back
+from each DP rank's tp0 rank the way logprobs do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from relax_launch.models.build import ensure_model
+from relax_launch.runtime.control import Command, Handler
+from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.runtime.trainer_client import TrainerClient
+from relax_launch.trainer.batch import ShardShape, TokenBatch
+from relax_launch.trainer.critic import Critic
+
+if TYPE_CHECKING:
+    from relax_launch.config.job import JobConfig
+
+
+@dataclass(frozen=True)
+class CriticValues(Command):
+    """Per-token values of the batch whose DP shards have these shapes (sent alongside)."""
+
+    op: ClassVar[str] = "critic.values"
+    shapes: tuple[ShardShape, ...]
+
+
+@dataclass(frozen=True)
+class CriticTrainStep(Command):
+    """One optimizer step of the clipped value loss (returns and old values in the batch)."""
+
+    op: ClassVar[str] = "critic.train_step"
+    shapes: tuple[ShardShape, ...]
+    value_clip: float | None
+
+
+@dataclass(frozen=True)
+class SaveCritic(Command):
+    op: ClassVar[str] = "critic.save"
+    directory: str
+
+
+@dataclass(frozen=True)
+class LoadCritic(Command):
+    op: ClassVar[str] = "critic.load"
+    directory: str
+
+
+class CriticWorker:
+    """This trainer rank's share of the value model (``trainer/critic.py``)."""
+
+    def __init__(self, *, critic: Any, shards: ShardChannel) -> None:
+        self.critic, self.shards = critic, shards
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            CriticValues.op: self.values,
+            CriticTrainStep.op: self.train_step,
+            SaveCritic.op: lambda c: self.critic.save(Path(c.directory)),
+            LoadCritic.op: lambda c: self.critic.load(Path(c.directory)),
+        }
+
+    def values(self, command: CriticValues) -> None:
+        """This shard's per-token values go to rank 0 over the shard channel."""
+        shape = command.shapes[self.shards.dp_rank]
+        shard = self.shards.receive(shape)
+        rows = None
+        try:
+            rows = self.critic.values(shard)
+        finally:  # rank 0 waits for them whatever happened
+            self.shards.send_result(rows, shape)
+
+    def train_step(self, command: CriticTrainStep) -> dict[str, float]:
+        shard = self.shards.receive(command.shapes[self.shards.dp_rank])
+        return self.critic.train_step(shard, command.value_clip)
+
+    def close(self) -> None:
+        pass
+
+
+class CriticClient(TrainerClient):
+    """Rank 0's typed proxy for the value model on the trainer ranks."""
+
+    def values(self, batch: TokenBatch) -> list[list[float]]:
+        """Per-token values of ``tokens[:-1]`` positions of every sequence, in batch order."""
+        shards = batch.shards(self.layout.dp_size)
+        _, results = self._with_shards(
+            CriticValues(tuple(s.shape() for s in shards)), shards, results=True
+        )
+        rows = []
+        for shard, values in zip(shards, results, strict=True):
+            flat, start = values.tolist(), 0
+            for tokens in shard.tokens:
+                rows.append(flat[start : start + len(tokens) - 1])
+                start += len(tokens) - 1
+        return rows
+
+    def train(self, batch: TokenBatch, value_clip: float | None) -> dict[str, float]:
+        """One value-model step; the metrics of the first trainer rank (every rank reports the
+        batch's, reduced over data-parallel ranks)."""
+        shards = batch.shards(self.layout.dp_size)
+        command = CriticTrainStep(tuple(s.shape() for s in shards), value_clip)
+        return self._with_shards(command, shards)[0][self._last_stage_rank()]
+
+    def save(self, directory: str) -> list[str]:
+        return [path for path in self._call(SaveCritic(directory)).values() if path]
+
+    def load(self, directory: str) -> int:
+        return min(self._call(LoadCritic(directory)).values())
+
+
+def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> CriticWorker:
+    """This trainer rank's share of the value model, built from ``critic.model`` (default the
+    policy's) with the trainer's layout (``CriticConfig.trainer_section``)."""
+    section = job.critic.trainer_section(job.trainer)
+    critic = Critic(
+        section=section, model_dir=ensure_model(section.model), pgc=pgc, device=job.cluster.device
+    )
+    return CriticWorker(critic=critic, shards=shards)

@@ -1,0 +1,111 @@
+"""The policy-gradient surrogates the policy loss chooses from (``algorithm.policy_loss``). Each
+maps the per-token importance ratio ``r`` and advantage ``A`` to a per-token loss, plus its own
+diagnostics as detached token sums (zero outside ``mask``):
+
+- ``ppo``: PPO-clip, ``-min(r A, clip(r, 1 - lo, 1 + hi) A)``.
+- ``cispo``: CISPO (MiniMax-M1, arXiv:2506.13585): ``-sg(min(r, 1 + hi)) A log p``, REINFORCE
+  with the importance weight capped and without gradient, so no token loses its gradient to a
+  clip (PPO's clip zeroes it); no lower bound, as the paper.
+- ``sapo``: SAPO (Gao et al., "Soft Adaptive Policy Optimization", arXiv:2511.20347):
+  ``-f(r) A`` with the soft gate ``f(r) = 4/tau * sigmoid(tau (r - 1))``, ``tau`` = tau_pos
+  where A > 0, else tau_neg. Its gradient weight ``4 s (1 - s)`` (``s`` the sigmoid) is 1 at
+  r = 1 and fades smoothly as r leaves 1, instead of PPO's hard cut.
+- ``m2po``: M2PO (Zheng et al., "Prosperity before Collapse", arXiv:2510.01161): ``-M r A``
+  without a clip; ``M`` masks the tokens with the largest squared log-ratio until the second
+  moment of the kept ones is within the threshold (``second_moment_mask``).
+
+Pure functions of tensors, tested against hand-computed values in tests/rl/test_policy_losses.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Sums = dict[str, torch.Tensor]
+
+
+def _on(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask > 0, values, torch.zeros_like(values))
+
+
+def ppo_clip(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, Sums]:
+    """PPO-clip per token, and the tokens whose ratio the clip moved ("clipped")."""
+    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    moved = ((ratio - clipped).abs() > 1e-12).float()
+    return per_token, {"clipped": _on(moved, mask).sum().detach()}
+
+
+def cispo(
+    ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    high: float,
+) -> tuple[torch.Tensor, Sums]:
+    """CISPO per token, and the tokens whose weight the cap lowered ("cispo_capped")."""
+    weight = ratio.detach().clamp(max=1.0 + high)
+    capped = (ratio.detach() > 1.0 + high).float()
+    return -weight * advantages * logprobs, {"cispo_capped": _on(capped, mask).sum()}
+
+
+def sapo(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+) -> tuple[torch.Tensor, Sums]:
+    """SAPO per token, and the sum of the gates' gradient weights ("sapo_gate", 1 per token on
+    policy, less where the gate softens the update)."""
+    tau = torch.where(
+        advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg)
+    )
+    sigmoid = torch.sigmoid(tau * (ratio - 1.0))
+    gate = sigmoid * 4.0 / tau
+    weight = (4.0 * sigmoid * (1.0 - sigmoid)).detach()  # d gate / d ratio
+    return -gate * advantages, {"sapo_gate": _on(weight, mask).sum()}
+
+
+def second_moment_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """M2PO's mask (1 keep, 0 drop) over ``mask``'s tokens: drop the tokens of largest squared
+    log-ratio, one by one, until the mean squared log-ratio of those kept is at most
+    ``threshold`` (all of them dropped if even the smallest is above it)."""
+    on = mask > 0
+    squares = log_ratio.detach().pow(2)[on]
+    order = torch.argsort(squares, descending=True, stable=True)
+    ranked = squares[order]
+    # kept_mean[k]: the mean of the tokens left after dropping the k largest
+    suffix = ranked.flip(0).cumsum(0).flip(0)
+    kept_mean = suffix / torch.arange(len(ranked), 0, -1, dtype=ranked.dtype, device=ranked.device)
+    within = torch.nonzero(kept_mean <= threshold)
+    dropped = int(within[0]) if len(within) else len(ranked)
+    keep_ranked = torch.ones_like(ranked)
+    keep_ranked[:dropped] = 0.0
+    keep = torch.zeros_like(squares)
+    keep[order] = keep_ranked
+    out = torch.zeros_like(log_ratio)
+    out[on] = keep
+    return out
+
+
+def m2po(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, Sums]:
+    """M2PO per token, with the tokens' squared log-ratios before the mask ("m2"), the tokens it
+    dropped ("m2po_masked") and the kept tokens' second moment ("m2po_m2_kept_max": reduced by
+    max over micro-batches, each within the threshold, so the batch's is too)."""
+    log_ratio = torch.log(ratio.detach())
+    keep = second_moment_mask(log_ratio, mask, threshold)
+    squares = _on(log_ratio.pow(2), mask)
+    kept = keep.sum()
+    sums = {
+        "m2": squares.sum(),
+        "m2po_masked": mask.sum() - kept,
+        "m2po_m2_kept_max": (squares * keep).sum() / kept.clamp(min=1.0),
+    }
+    return -keep * ratio * advantages, sums
