@@ -263,10 +263,13 @@ def watch_top(gateway: str, seconds: float) -> str:
         stderr=follower, env=env, start_new_session=True,
     )  # fmt: skip
     os.close(follower)
-    drawn, deadline = b"", time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    # ``seconds`` of frames, counted from the first (a loaded machine takes seconds to import)
+    drawn, first, deadline = b"", None, time.monotonic() + 60
+    while time.monotonic() < (deadline if first is None else min(deadline, first + seconds)):
         if select.select([leader], [], [], 0.2)[0]:
             drawn += os.read(leader, 65536)
+            if first is None and b"\x1b[" in drawn:
+                first = time.monotonic()
     os.killpg(view.pid, signal.SIGINT)
     assert view.wait(timeout=30) == 0
     os.close(leader)
