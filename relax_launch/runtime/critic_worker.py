@@ -87,16 +87,7 @@ class CriticClient(TrainerClient):
     def values(self, batch: TokenBatch) -> list[list[float]]:
         """Per-token values of ``tokens[:-1]`` positions of every sequence, in batch order."""
         shards = batch.shards(self.layout.dp_size)
-        _, results = self._with_shards(
-            CriticValues(tuple(s.shape() for s in shards)), shards, results=True
-        )
-        rows = []
-        for shard, values in zip(shards, results, strict=True):
-            flat, start = values.tolist(), 0
-            for tokens in shard.tokens:
-                rows.append(flat[start : start + len(tokens) - 1])
-                start += len(tokens) - 1
-        return rows
+        return self._per_token(CriticValues(tuple(s.shape() for s in shards)), shards)
 
     def train(self, batch: TokenBatch, value_clip: float | None) -> dict[str, float]:
         """One value-model step; the metrics of the first trainer rank (every rank reports the

@@ -49,6 +49,11 @@ class TrainerClient:
         """Per-token logprobs of ``tokens[1:]`` of every sequence, in batch order."""
         shards = batch.shards(self.layout.dp_size)
         command = Logprobs(tuple(s.shape() for s in shards))
+        return self._per_token(command, shards)
+
+    def _per_token(self, command: Command, shards: list[TokenBatch]) -> list[list[float]]:
+        """``command``'s per-token results (one per position of ``tokens[:-1]``), every DP
+        rank's come back over the shard channel; rows in batch order."""
         _, results = self._with_shards(command, shards, results=True)
         rows = []
         for shard, values in zip(shards, results, strict=True):

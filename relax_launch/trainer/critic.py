@@ -39,6 +39,7 @@ from relax_launch.trainer.model import (
     wrap_ddp,
 )
 from relax_launch.trainer.step_metrics import batch_metrics
+from relax_launch.trainer.trainer import save_durably
 
 
 class ValueHead(torch.nn.Module):
@@ -130,14 +131,7 @@ class Critic:
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
         }
-        path = directory / self.file_name
-        partial = path.with_name(path.name + ".partial")
-        with open(partial, "wb") as file:  # on disk before rank 0 marks the checkpoint complete
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        partial.replace(path)
-        return str(path)
+        return save_durably(state, directory / self.file_name)
 
     def load(self, directory: Path) -> int:
         """Restore the value model and its optimizer from ``directory``; returns its steps."""

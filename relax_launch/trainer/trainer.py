@@ -165,13 +165,7 @@ class Trainer:
             if self.lora:  # the frozen base is the model directory's, unchanged
                 model = {k: v for k, v in model.items() if is_adapter(k)}
             state["model"] = model
-        partial = path.with_name(path.name + ".partial")
-        with open(partial, "wb") as file:  # on disk before rank 0 marks the checkpoint complete
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        partial.replace(path)
-        return str(path)
+        return save_durably(state, path)
 
     def load(self, directory: Path) -> int:
         """Restore this shard's model and optimizer from ``directory``; returns the optimizer
@@ -362,6 +356,18 @@ class Trainer:
         returns {HF name: file}. ``relax_launch.trainer.hf_dir.finish`` completes the folder."""
         prefix = f"stage{self.pgc.pp.rank():03d}-ep{self.pgc.ep.rank():03d}"
         return write_shards(Path(directory), prefix, self.export_hf_weights(), DTYPES[dtype])
+
+
+def save_durably(state: dict[str, Any], path: Path) -> str:
+    """``torch.save`` of ``state`` to ``path``, on disk before this returns (rank 0 marks the
+    checkpoint complete after every rank's reply) and whole or absent; returns the path."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    partial.replace(path)
+    return str(path)
 
 
 def shard_name(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:

@@ -109,9 +109,9 @@ def routable(gateway: str) -> list[str]:
     return [e["engine_id"] for m in discovery["models"].values() for e in m["engines"]]
 
 
-def test_genrm_scales_out_by_the_autoscaler_and_in_by_the_api(tmp_path):
-    run_dir = tmp_path / "run"
-    console = tmp_path / "console.txt"
+def start_elastic_job(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """``relax-launch run elastic_tiny.yaml`` with the admin token: (job, run dir, console)."""
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
     cli = Path(sys.executable).with_name("relax-launch")
     env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN}
     with open(console, "w") as out:
@@ -119,10 +119,21 @@ def test_genrm_scales_out_by_the_autoscaler_and_in_by_the_api(tmp_path):
             [str(cli), "run", str(HERE / "elastic_tiny.yaml"), f"logging.dir={run_dir}"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
+    return job, run_dir, console
+
+
+def serving_gateway(job: subprocess.Popen, run_dir: Path, console: Path) -> str:
+    """The job's gateway URL, once its roles are ready."""
+    gateway = wait_for("gateway.json", lambda: _gateway(run_dir, job, console))
+    wait_for("the job's roles ready", lambda: _ready(gateway, job, console), 400)
+    return gateway
+
+
+def test_genrm_scales_out_by_the_autoscaler_and_in_by_the_api(tmp_path):
+    job, run_dir, console = start_elastic_job(tmp_path)
     burst = None
     try:
-        gateway = wait_for("gateway.json", lambda: _gateway(run_dir, job, console))
-        wait_for("the job's roles ready", lambda: _ready(gateway, job, console), 400)
+        gateway = serving_gateway(job, run_dir, console)
         assert [r["state"] for r in replicas(gateway)] == ["serving", "reserved"]
 
         # every refusal, before anything changed
@@ -204,17 +215,9 @@ def test_a_scale_out_cancelled_while_its_engine_starts_leaves_the_count(tmp_path
     """RFC #351's cancel, for real: the scale-out's 202 answers ``actual`` 1 (the engine
     serving), the cancel 202 ``cancelling``; the start ends, its server is stopped by PID, and
     the role keeps its one engine; the operation is listed as ``cancelled``."""
-    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
-    cli = Path(sys.executable).with_name("relax-launch")
-    env = {**os.environ, "RELAX_ADMIN_TOKEN": TOKEN}
-    with open(console, "w") as out:
-        job = subprocess.Popen(
-            [str(cli), "run", str(HERE / "elastic_tiny.yaml"), f"logging.dir={run_dir}"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+    job, run_dir, console = start_elastic_job(tmp_path)
     try:
-        gateway = wait_for("gateway.json", lambda: _gateway(run_dir, job, console))
-        wait_for("the job's roles ready", lambda: _ready(gateway, job, console), 400)
+        gateway = serving_gateway(job, run_dir, console)
         servers = len(processes_tagged(os.environ[TEST_TAG]))
         reply = scale(gateway, "scale_out", {"num_replicas": 2})
         assert reply.status_code == 202 and reply.json()["actual"] == 1, reply.text
