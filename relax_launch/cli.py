@@ -17,7 +17,7 @@ from relax_launch import __version__, platform
 from relax_launch.commands.sbatch import SbatchOptions, check_gpus, render, submit
 from relax_launch.config import ConfigError, JobConfig, load_config
 from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
-from relax_launch.placement.memory_plan import memory_plan
+from relax_launch.placement.memory_plan import MemoryPlan, memory_plan
 from relax_launch.placement.render import memory_table, summary, table, write_picture
 from relax_launch.rl.inputs import check_inputs
 from relax_launch.run_dir import STOP_FILE
@@ -35,7 +35,7 @@ def _load_and_plan(
     notes = preflight(job, placement, require_models=require_models)
     if require_models:  # about to start it
         check_runnable(job, placement)
-        check_inputs(job.data, job.reward, job.eval, job.rollout.function)
+        check_inputs(job.data, job.reward, job.eval, job.rollout.function, job.rollout.environment)
     return job, placement, notes
 
 
@@ -50,12 +50,26 @@ def main() -> None:
     """RL post-training of LLMs (GRPO, on-policy distillation, GenRM) as one torchrun job."""
 
 
-def critic_line(job: JobConfig, placement: PlacementPlan) -> str:
-    """Where PPO's value model lives: on the trainer's ranks, in the trainer's layout."""
+def critic_line(job: JobConfig, placement: PlacementPlan, memory: MemoryPlan | None) -> str:
+    """Where PPO's value model lives: on the trainer's ranks, in the trainer's layout, and in a
+    colocated placement where its state is in the trainer's turn (``runtime/critic_turns.py``)."""
     t, model = placement.trainer, job.critic.model or job.trainer.model
-    return (
+    line = (
         f"critic: value model of {model} on the trainer ranks {t.ranks[0]}-{t.ranks[-1]} "
         f"(tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}), trained after the policy each step"
+    )
+    if placement.mode == "decoupled":
+        return line
+    # the memory plan resolves auto; without one (a model's size unknown) the job swaps
+    mode = memory.critic_mode if memory is not None else "swap"
+    within = {
+        "keep": "beside the policy's state through the turn",
+        "swap": "swapped with the policy's gradients and optimizer state",
+    }[mode]
+    chosen = "memory plan" if job.critic.offload == "auto" else "config"
+    return (
+        f"{line}; in host memory outside the trainer's turn, {within} "
+        f"(critic.offload={mode}, by the {chosen})"
     )
 
 
@@ -99,7 +113,7 @@ def plan_command(
     else:
         click.echo(table(placement) + (f"\n{memory_table(memory)}" if memory else ""))
         if job.critic is not None:
-            click.echo(critic_line(job, placement))
+            click.echo(critic_line(job, placement, memory))
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
 

@@ -13,7 +13,8 @@ import sys
 from relax_launch import platform
 from relax_launch.config import ConfigError, load_config
 from relax_launch.placement import check_runnable, plan, preflight
-from relax_launch.placement.memory_plan import check_device, memory_plan
+from relax_launch.placement.device_memory import check_device
+from relax_launch.placement.memory_plan import memory_plan
 from relax_launch.rl.inputs import check_inputs
 from relax_launch.rl.interfaces import JobStopped
 from relax_launch.run_dir import EXIT_STOPPED
@@ -38,7 +39,8 @@ def main(argv: list[str]) -> int:
             (job.log_dir / "memory_plan.json").write_text(memory.to_json())
         prompts = []  # read and checked once, by rank 0: the controller trains on them
         if rank == 0:
-            prompts = check_inputs(job.data, job.reward, job.eval, job.rollout.function)
+            r = job.rollout
+            prompts = check_inputs(job.data, job.reward, job.eval, r.function, r.environment)
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2

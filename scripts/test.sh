@@ -3,8 +3,9 @@
 # (SGLang servers, Megatron-core over torchrun). Extra arguments go to pytest.
 #
 # With no test selection among the arguments (no existing path, -m or -k), the default suite
-# runs in two passes: the unit tests on two pytest workers (one process each, most of them on
-# one core), then the e2e tests one at a time (each starts processes that fill every core).
+# runs in two passes: the unit tests on two pytest workers, then the e2e tests on two workers,
+# each test file on one worker (its module fixtures start once). A real job spends most of its
+# start-up in one process at a time, so one job alone keeps about one core of two busy.
 # Either pass failing fails the run; both always run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +18,5 @@ for arg in "$@"; do
 done
 status=0
 .venv/bin/python -m pytest -n 2 -m "not e2e and not slow and not slurm" "$@" || status=$?
-.venv/bin/python -m pytest -m "e2e and not slow and not slurm" "$@" || status=$?
+.venv/bin/python -m pytest -n 2 --dist loadfile -m "e2e and not slow and not slurm" "$@" || status=$?
 exit "$status"

@@ -132,3 +132,18 @@ def test_plan_shows_the_critic_on_the_trainer_ranks_and_its_memory():
     )
     trainer_memory = [x for x in result.stdout.splitlines() if "trainer [active]" in x]
     assert trainer_memory and all("critic " in x for x in trainer_memory)
+
+
+def test_plan_shows_a_colocated_critic_and_how_it_moves():
+    colocated = ("placement.mode=defer", "trainer.ranks=null", "cluster.nproc_per_node=2")
+    result = run("plan", "tests/rl/critic_tiny.yaml", *colocated)
+    assert result.returncode == 0, result.stderr
+    assert "critic [offloaded]" in result.stdout and "train critic" in result.stdout
+    assert (
+        "beside the policy's state through the turn (critic.offload=keep, by the memory plan)"
+        in (result.stdout)
+    )
+    swapped = run("plan", "tests/rl/critic_tiny.yaml", *colocated, "critic.offload=swap")
+    assert "critic values" in swapped.stdout
+    swapping = "swapped with the policy's gradients and optimizer state"
+    assert f"{swapping} (critic.offload=swap, by the config)" in swapped.stdout

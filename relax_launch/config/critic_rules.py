@@ -1,6 +1,6 @@
 """The rules of a job with a critic (PPO's value model, ``rl/critic_config.py``): GAE needs it
-and it needs GAE, it shares the trainer's ranks and layout in decoupled placement, and what is
-not built yet is refused naming the field."""
+and it needs GAE, it shares the trainer's ranks and layout (in any placement), and what is not
+built yet is refused naming the field."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def _critic_layout_problems(job: JobConfig) -> list[str]:
             "critic.ranks=own (a value model on ranks of its own) is not supported yet: use "
             "critic.ranks=trainer (it shares the trainer's ranks, trained after the policy)."
         )
-    if job.placement.mode != "decoupled":
+    if job.placement.mode == "decoupled" and critic.offload != "auto":
         problems.append(
-            f"a critic with placement.mode={job.placement.mode} is not supported yet (its "
-            "offload between the colocated roles' turns is not built): use placement.mode="
-            "decoupled."
+            f"critic.offload={critic.offload} acts in a colocated placement (split, defer), "
+            "where the critic and the policy take turns on the device; in decoupled placement "
+            "both stay resident: remove critic.offload."
         )
     for field in ("tp_size", "pp_size"):
         chosen = getattr(critic, field)

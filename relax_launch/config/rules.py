@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from relax_launch.config.agent_rules import multi_turn_problems
 from relax_launch.config.critic_rules import critic_problems
+from relax_launch.config.environment_rules import environment_problems
 from relax_launch.rl.reasoning_gym_config import PREFIX as REASONING_GYM
 
 if TYPE_CHECKING:
@@ -20,6 +22,8 @@ def cross_section_problems(job: JobConfig) -> list[str]:
     problems += _disaggregation_problems(job) + _micro_batch_problems(job)
     problems += _restart_problems(job)
     problems += critic_problems(job)  # config/critic_rules.py
+    problems += multi_turn_problems(job)  # config/agent_rules.py
+    problems += environment_problems(job)  # config/environment_rules.py
     return problems + _elastic_problems(job) + _optimizer_offload_problems(job)
 
 

@@ -8,6 +8,16 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
+from relax_launch.inference.model_config import (
+    ROLLOUT_HAS_ONE_MODEL,
+    ModelNames,
+    RoleModelConfig,
+    check_engine_keys,
+    default_model_id,
+    model_sections,
+    models_problem,
+)
+from relax_launch.rl.environment_config import EnvironmentConfig
 
 RoutingPolicy = Literal["round_robin", "affinity"]
 # gateway.request_timeout_s=auto: a request may queue behind every token of the step's batch on
@@ -16,25 +26,6 @@ RoutingPolicy = Literal["round_robin", "affinity"]
 # CPU-sized AUTO_FLOOR_S, so a toy job keeps its bound.
 AUTO_TOKENS_PER_S = 500.0
 AUTO_FLOOR_S = 300.0
-
-# SGLang server arguments that the planner sets per engine; a user value would contradict it.
-PLANNER_OWNED_ENGINE_KEYS = frozenset(
-    {
-        "model_path",
-        "tp_size",
-        "pp_size",
-        "dp_size",
-        "nnodes",
-        "node_rank",
-        "base_gpu_id",
-        "gpu_id_step",
-        "dist_init_addr",
-        "host",
-        "port",
-        "nccl_port",
-        "device",
-    }
-)
 
 
 class EngineShape(Section):
@@ -142,7 +133,7 @@ class RolloutAutoscaleConfig(AutoscaleBounds):
     )
 
 
-class InferenceRoleConfig(EngineShape):
+class InferenceRoleConfig(EngineShape, ModelNames):
     """One inference role: its model, its ranks, and how they group into SGLang engines."""
 
     model: str | None = Field(None, description="Model: a Hugging Face directory or builtin:NAME.")
@@ -152,16 +143,6 @@ class InferenceRoleConfig(EngineShape):
         1,
         ge=1,
         description="Engine pipeline-parallel size; an engine spans tp_size x pp_size ranks.",
-    )
-    model_id: str | None = Field(
-        None,
-        min_length=1,
-        description="The id requests name in 'model'; default the model's name (builtin:NAME "
-        "-> NAME, a directory -> its last part). The model reference is always an alias.",
-    )
-    aliases: tuple[str, ...] = Field((), description="More names requests may use for the model.")
-    route_keys: tuple[str, ...] = Field(
-        (), description="Values of a request's 'route_key' that select this model."
     )
     engine: dict[str, Any] = Field(
         default_factory=dict,
@@ -189,6 +170,13 @@ class InferenceRoleConfig(EngineShape):
         description="Scale the engines between autoscale.min_engines and max_engines with the "
         "load; every decision goes to autoscaler.jsonl in the run directory. Needs max_engines.",
     )
+    models: tuple[RoleModelConfig, ...] = Field(
+        (),
+        description="Further models of this role besides model (the default one, which a "
+        "request naming no model or route_key gets), each on engines of its own, placed after "
+        "the default model's: a request's 'model' (id or alias) or 'route_key' chooses one. "
+        "teacher and genrm only (rollout serves the one policy the trainer syncs).",
+    )
 
     @field_validator("ranks")
     @classmethod
@@ -202,13 +190,7 @@ class InferenceRoleConfig(EngineShape):
     @field_validator("engine")
     @classmethod
     def _engine_keys_not_planner_owned(cls, engine: dict[str, Any]) -> dict[str, Any]:
-        owned = sorted(PLANNER_OWNED_ENGINE_KEYS.intersection(engine))
-        if owned:
-            raise ValueError(
-                f"{', '.join(owned)} are set by the placement planner; remove them from engine "
-                "(use tp_size and pp_size of the role instead)"
-            )
-        return engine
+        return check_engine_keys(engine)
 
     @model_validator(mode="before")
     @classmethod
@@ -222,7 +204,19 @@ class InferenceRoleConfig(EngineShape):
 
     def resolved_model_id(self, model: str) -> str:
         """The id clients use for ``model`` (this role's model reference)."""
-        return self.model_id or model.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
+        return self.model_id or default_model_id(model)
+
+    def model_sections(self) -> tuple[InferenceRoleConfig, ...]:
+        """The role's models as sections of their own, the default first
+        (``model_config.model_sections``)."""
+        return model_sections(self)
+
+    @model_validator(mode="after")
+    def _models_fit(self) -> InferenceRoleConfig:
+        problem = models_problem(self) if self.models and self.model is not None else ""
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> InferenceRoleConfig:
@@ -259,10 +253,11 @@ class InferenceRoleConfig(EngineShape):
 
     @property
     def total_ranks(self) -> int:
-        """Every rank of the role: its engines', the reserved ones' (max_engines) and, with
-        prefill/decode disaggregation, the prefill half's."""
+        """Every rank of the role: its engines', the reserved ones' (max_engines), with
+        prefill/decode disaggregation the prefill half's, and those of its further models."""
         reserved = self.reserved_engines * self.ranks_per_engine
-        return self.ranks + reserved + (self.prefill.ranks if self.prefill is not None else 0)
+        prefill = self.prefill.ranks if self.prefill is not None else 0
+        return self.ranks + reserved + prefill + sum(m.ranks for m in self.models)
 
 
 class RolloutConfig(InferenceRoleConfig):
@@ -278,6 +273,20 @@ class RolloutConfig(InferenceRoleConfig):
         "package.module:function) given each prompt and an OpenAI-compatible client of these "
         "engines; it may run several turns and call tools, and returns the conversation. Only "
         "the engine's tokens are trained. Unset: one response per sample.",
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="An environment module: its prompts, conversations and rubric."
+    )
+    multi_turn: Literal["continue_tokens", "per_turn", "strict"] = Field(
+        "continue_tokens",
+        description="How a conversation of rollout.function is trained when the chat template "
+        "renders earlier turns otherwise as it goes on (Qwen3 drops earlier <think> blocks): "
+        "continue_tokens, one sample that continues the engine's own tokens (the context the "
+        "engine saw); per_turn, one training row per turn, each generated from the template's "
+        "rendering of the conversation (the context at inference), all with the "
+        "conversation's reward; strict, one sample, rejected (agent/rejected) when the "
+        "template rewrites earlier turns. per_turn is not taken with algorithm.max_staleness, "
+        "a teacher or advantage_estimator=gae.",
     )
     fault_tolerance: bool = Field(
         False,
@@ -296,6 +305,13 @@ class RolloutConfig(InferenceRoleConfig):
         "rollout phases' demand across steps; every decision goes to autoscaler.jsonl in the "
         "run directory. Needs max_engines.",
     )
+
+    @field_validator("models")
+    @classmethod
+    def _one_policy(cls, models: tuple[RoleModelConfig, ...]) -> tuple[RoleModelConfig, ...]:
+        if models:
+            raise ValueError(ROLLOUT_HAS_ONE_MODEL)
+        return models
 
 
 class StaticRoleConfig(InferenceRoleConfig):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig
+from relax_launch.inference.config import GatewayConfig, InferenceRoleConfig, RoutingPolicy
 from relax_launch.inference.disaggregation import EngineHalf, PrefillTarget, check_pair
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle
@@ -21,11 +21,26 @@ from relax_launch.inference.gateway import InferenceGateway
 from relax_launch.inference.generation_routes import Renderer
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.model_config import ServedModel
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.router_workers import RouterWorkers
 from relax_launch.inference.serve import GatewayServer
 
 log = logging.getLogger("relax_launch.gateway")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A further model of a role (``{role}.models``): its config section (``model_sections``),
+    directory, and the role's engines (by index) that serve it."""
+
+    section: InferenceRoleConfig
+    model_dir: Path
+    engines: tuple[int, ...]
+
+    @property
+    def model_id(self) -> str:
+        return self.section.resolved_model_id(self.section.model)
 
 
 @dataclass(frozen=True)
@@ -38,31 +53,71 @@ class RoleSpec:
     section: InferenceRoleConfig
     phase: str
     parked: bool = False  # its engines start with every memory tag released
+    more: tuple[ModelSpec, ...] = ()  # its further models; the other engines serve the default
+
+    def model_of_engine(self, index: int) -> str:
+        """The id of the model the role's engine ``index`` serves."""
+        chosen = (m.model_id for m in self.more if index in m.engines)
+        return next(chosen, self.section.resolved_model_id(self.model))
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    return json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+
+
+def routing_spec(spec: RoleSpec, policy: RoutingPolicy) -> RoutingSpec:
+    """Every model's names: its id, its aliases and its model reference (an alias only while
+    no other model of the role shares it), and its route keys."""
+    models = [(spec.section.resolved_model_id(spec.model), spec.section)]
+    models += [(m.model_id, m.section) for m in spec.more]
+    references = [section.model or spec.model for _, section in models]
+    aliases, route_keys = {}, {}
+    for (model_id, section), reference in zip(models, references, strict=True):
+        shared = references.count(reference) > 1
+        names = (*((reference,) if not shared else ()), *section.aliases)
+        aliases |= {name: model_id for name in names}
+        route_keys |= {key: model_id for key in section.route_keys}
+    ids = {model_id for model_id, _ in models}
+    return RoutingSpec(
+        default_model=models[0][0],
+        aliases={name: m for name, m in aliases.items() if name not in ids},
+        route_key_map=route_keys,
+        policy=policy,
+    )
 
 
 def build_manager(
     spec: RoleSpec, gateway: GatewayConfig, timeout_s: float, restart_wait_s: float = 0.0
 ) -> InferenceManager:
-    model_id = spec.section.resolved_model_id(spec.model)
-    names = (spec.model, *spec.section.aliases)
-    return InferenceManager(
+    manager = InferenceManager(
         role=spec.role,
-        model_id=model_id,
+        model_id=spec.section.resolved_model_id(spec.model),
         served_model_name=str(spec.model_dir),  # what SGLang reports as the model's name
         weight_source=WeightSource.TRAINER if spec.role == "rollout" else WeightSource.STATIC,
-        routing=RoutingSpec(
-            default_model=model_id,
-            aliases={name: model_id for name in names if name != model_id},
-            route_key_map={key: model_id for key in spec.section.route_keys},
-            policy=gateway.routing_policy,
-        ),
+        routing=routing_spec(spec, gateway.routing_policy),
         phase=spec.phase,
         drain_timeout_s=timeout_s,
-        vocab_size=json.loads((spec.model_dir / "config.json").read_text()).get("vocab_size"),
+        vocab_size=_vocab_size(spec.model_dir),
         fault_tolerant=getattr(spec.section, "fault_tolerance", False),
         restart_wait_s=restart_wait_s,
         elastic=spec.section.max_engines is not None,
     )
+    for more in spec.more:  # its further models, each on engines of its own
+        manager.models[more.model_id] = ServedModel(
+            str(more.model_dir), _vocab_size(more.model_dir)
+        )
+    return manager
+
+
+def judge_renderers(roles: list[RoleSpec]) -> dict[str, Renderer]:
+    """The genrm role's judge form, rendered with each model's own chat template: by role
+    (its default model) and by ``role/model_id`` (``generation_routes.renderer_for``)."""
+    renderers = {}
+    for spec in roles:
+        if spec.role == "genrm":
+            renderers[spec.role] = chat_renderer(spec.model_dir)
+            renderers |= {f"genrm/{m.model_id}": chat_renderer(m.model_dir) for m in spec.more}
+    return renderers
 
 
 def chat_renderer(model_dir: Path) -> Renderer:
@@ -134,7 +189,7 @@ class ControlPlane:
         self.managers = {
             s.role: build_manager(s, gateway, operation_timeout_s, restart_wait_s) for s in roles
         }
-        renderers = {s.role: chat_renderer(s.model_dir) for s in roles if s.role == "genrm"}
+        renderers = judge_renderers(roles)
         app = InferenceGateway(
             self.managers,
             config=gateway,
@@ -179,16 +234,17 @@ class ControlPlane:
         ``halves``, for a disaggregated role, says of each engine (by index) which half it is
         and, for a decode engine, the index of its prefill engine; each pair generates a token
         before the role is attached."""
-        manager = self.managers[role]
-        loaded = set() if self.specs[role].parked else set(MEMORY_TAGS)
+        manager, spec = self.managers[role], self.specs[role]
+        loaded = set() if spec.parked else set(MEMORY_TAGS)
         handles = [
             EngineHandle(
-                f"{manager.model_id}/{i}",
+                f"{spec.model_of_engine(i)}/{i}",
                 url,
                 role=role,
                 static=role != "rollout",
                 index=i,
                 loaded=set(loaded),
+                model_id=spec.model_of_engine(i),
             )
             for i, url in enumerate(urls)
         ]

@@ -68,6 +68,7 @@ class EngineHandle:
     bootstrap_port: int | None = None
     prefill_id: str | None = None
     index: int | None = None  # the engine's index in the plan (its ranks)
+    model_id: str | None = None  # the model it serves, of a role with several (None: the default)
 
     def require_mutable(self, op: str) -> None:
         if self.static and op in WEIGHT_MUTATIONS:

@@ -36,3 +36,12 @@ def engine_load(url: str, timeout_s: float = 2.0) -> EngineLoad | None:
         return parse_load(reply.json()) if reply.ok else None
     except (http.TransportError, TimeoutError, OSError, ValueError, AttributeError):
         return None
+
+
+def idle(url: str | None) -> bool:
+    """Whether the engine reports no request queued or running (unreadable: taken as idle, the
+    requests in flight to it decide; a scale-in's drain)."""
+    if url is None:
+        return True
+    load = engine_load(url)
+    return load is None or load.queued + load.running == 0

@@ -43,6 +43,14 @@ from relax_launch.inference.routing import (
 
 # Renders judge messages to a prompt with the GenRM model's chat template.
 Renderer = Callable[[list[dict[str, Any]], dict[str, Any]], str]
+
+
+def renderer_for(renderers: dict[str, Renderer], role: str, model_id: str) -> Renderer | None:
+    """The judge form's renderer for ``model_id`` of ``role``: the model's own (key
+    ``role/model_id``, a role with several models), else the role's."""
+    return renderers.get(f"{role}/{model_id}") or renderers.get(role)
+
+
 JUDGE_SAMPLING = {"temperature": 0.0, "max_new_tokens": 256}
 GENERATION_ERRORS = ("400", "413", "502", "503", "504")
 
@@ -82,7 +90,7 @@ class GenerationRoutes:
         payload: dict[str, Any] = request.state.payload
         target = self._route(role, payload, request)
         routing = {k: payload[k] for k in ROUTING_FIELDS if k in payload}
-        problem = vocabulary_problem(token_ids, self.managers[role].vocab_size)
+        problem = vocabulary_problem(token_ids, self.managers[role].vocab_of(target.model_id))
         if problem is not None:
             raise HTTPException(400, problem)
         if path == "/generate":
@@ -165,10 +173,10 @@ class GenerationRoutes:
     async def _judge(self, role: str, request: Request) -> Response:
         """The legacy GenRM form: chat messages in, ``{"response": text}`` out."""
         payload: dict[str, Any] = request.state.payload
-        render = self.renderers.get(role)
-        if render is None:
+        if role not in self.renderers:
             raise HTTPException(400, f"/{role}/generate takes messages only on the genrm role")
-        self._route(role, payload, request)  # refuse before rendering when not ready
+        chosen = self._route(role, payload, request)  # refuse before rendering when not ready
+        render = renderer_for(self.renderers, role, chosen.model_id)
         kwargs = payload.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise HTTPException(400, "chat_template_kwargs must be an object")

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
 from relax_launch.inference.disaggregation import PrefillUnreachable
-from relax_launch.inference.generation_routes import JUDGE_SAMPLING, Renderer
+from relax_launch.inference.generation_routes import JUDGE_SAMPLING, Renderer, renderer_for
 from relax_launch.inference.health import HealthProbe
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.outage import EngineOutage
@@ -115,13 +115,13 @@ class EngineClient:
         resolver: RouteResolver,
         timeout_s: float,
         metrics: ControllerMetrics,
-        render: Renderer | None = None,
+        renderers: dict[str, Renderer] | None = None,
         probe: HealthProbe | None = None,
     ) -> None:
         self.manager, self.role = manager, manager.role
         self.session: aiohttp.ClientSession | None = None  # the job's session, once started
         self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
-        self.render = render  # the genrm role's judge form (chat messages in)
+        self.renderers = renderers or {}  # the genrm role's judge form (chat messages in)
         self.probe = probe or HealthProbe()  # when an engine that dropped a request is gone
         self.outage = EngineOutage(manager)  # every engine restarting: requests wait for one
         # engine id -> its probe in progress: the requests it dropped all wait on one
@@ -138,7 +138,7 @@ class EngineClient:
                 prepared = await self._routed(path, payload, affinity_key)
                 model = prepared.model_id
                 ids = payload.get("input_ids") or payload.get("prompt")
-                problem = vocabulary_problem(ids, self.manager.vocab_size)
+                problem = vocabulary_problem(ids, self.manager.vocab_of(model))
                 if problem is not None:
                     raise InferenceError(400, problem)
                 reply = (await self._post_or_reroute(prepared, path, payload, affinity_key)).json()
@@ -244,15 +244,16 @@ class EngineClient:
 
     async def _judge(self, payload: dict, affinity_key: str | None) -> tuple[dict, str]:
         """The gateway's judge form: chat messages in, ``{"response": text}`` out."""
-        if self.render is None:
+        if self.role not in self.renderers:
             raise InferenceError(
                 400, f"/{self.role}/generate takes messages only on the genrm role"
             )
-        await self._routed("/generate", payload, affinity_key)  # refuse before rendering
+        chosen = await self._routed("/generate", payload, affinity_key)  # refuse before rendering
+        render = renderer_for(self.renderers, self.role, chosen.model_id)
         kwargs = payload.get("chat_template_kwargs") or {}
         try:
             prompt = await asyncio.wait_for(
-                asyncio.to_thread(self.render, payload["messages"], kwargs), self.timeout_s
+                asyncio.to_thread(render, payload["messages"], kwargs), self.timeout_s
             )
         except TimeoutError:
             raise InferenceError(
@@ -304,7 +305,7 @@ class EngineClients:
                 resolver=resolver,
                 timeout_s=timeout_s,
                 metrics=self.metrics,
-                render=(renderers or {}).get(role),
+                renderers=renderers,
                 probe=probe,
             )
             for role, manager in managers.items()

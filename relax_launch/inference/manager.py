@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterable
 from relax_launch.deadline import Deadline
 from relax_launch.inference.discovery import (
     Discovery,
-    EngineRecord,
     ModelRecord,
-    PrefillRecord,
     RouteMode,
     RoutingSpec,
     State,
     WeightSource,
 )
 from relax_launch.inference.engine import MEMORY_TAGS, EngineHandle, EngineRequestError
+from relax_launch.inference.model_config import ServedModel
+from relax_launch.inference.model_records import engine_record
 from relax_launch.inference.request_counts import RequestCounts
 from relax_launch.inference.router_workers import RouterWorkers
 
@@ -36,7 +36,10 @@ class LifecycleError(RuntimeError):
 
 
 class InferenceManager:
-    """One role's model: its engines, their lifecycle, readiness and discovery."""
+    """One role's models: their engines, each tagged with its model, one lifecycle for them
+    all, readiness and discovery. ``models``: each model's served name and vocabulary (token
+    ids outside it are refused before an engine), its default model (``model_id``) first; the
+    control plane adds a role's further models (``{role}.models``) before engines attach."""
 
     router: RouterWorkers | None = None  # route mode router: its workers follow routing
 
@@ -55,8 +58,8 @@ class InferenceManager:
         restart_wait_s: float = 0.0,
         elastic: bool = False,
     ) -> None:
-        self.role, self.model_id, self.served_model_name = role, model_id, served_model_name
-        self.vocab_size = vocab_size  # token ids outside it are refused before the engine
+        self.role, self.model_id = role, model_id  # its default model's id
+        self.models = {model_id: ServedModel(served_model_name, vocab_size)}  # (see the class)
         self.weight_source, self.routing, self.phase = weight_source, routing, phase
         self.drain_timeout_s = drain_timeout_s
         # an engine that stops answering is routed around; with none left, wait for a restart
@@ -329,56 +332,48 @@ class InferenceManager:
                 self._published = (key, self._build(key[0]))
             return self._published[1]
 
+    def model_of(self, engine: EngineHandle) -> str:
+        """The id of the model ``engine`` serves."""
+        return engine.model_id or self.model_id
+
+    @property
+    def served_model_name(self) -> str:
+        """The name the default model's engines report."""
+        return self.models[self.model_id].served_model_name
+
+    def vocab_of(self, model_id: str) -> int | None:
+        """The vocabulary of ``model_id`` (a model this role serves)."""
+        return self.models[model_id].vocab_size
+
     def _build(self, state: State) -> Discovery:
         serving = {e.engine_id: e for e in self.serving()}
-        engines = tuple(
-            self._record(e, state, serving) for e in serving.values() if e.half != "prefill"
-        )
-        model = ModelRecord(
-            state=state,
-            route_mode=RouteMode.ROUTER if self.router_url else RouteMode.DIRECT,
-            router_url=self.router_url,
-            weight_source=self.weight_source,
-            weight_version=self.weight_version,
-            served_model_name=self.served_model_name,
-            engines=engines,
-        )
         return Discovery(
             role=self.role,
             registry_epoch=self.registry_epoch,
             topology_revision=self._revision,
             phase=self.phase,
             routing=self.routing,
-            models={self.model_id: model},
+            models={m: self._model_record(m, state, serving) for m in self.models},
         )
 
-    def _record(
-        self, engine: EngineHandle, state: State, serving: dict[str, EngineHandle]
-    ) -> EngineRecord:
-        """One logical engine; a decode engine with its prefill half, which must be serving
-        and whole too (a pair with a dead half is not routable)."""
-        halves = [engine]
-        prefill = None
-        if engine.prefill_id is not None:
-            partner = serving.get(engine.prefill_id)
-            if partner is None:
-                state = State.FAILED
-            else:
-                halves.append(partner)
-                prefill = PrefillRecord(
-                    engine_id=partner.engine_id,
-                    base_url=partner.url,
-                    bootstrap_port=partner.bootstrap_port,
-                )
-        if state is State.READY and not all(h.complete for h in halves):
-            state = State.ONLOADING
-        return EngineRecord(
-            engine_id=engine.engine_id,
-            base_url=engine.url,
+    def _model_record(
+        self, model_id: str, state: State, serving: dict[str, EngineHandle]
+    ) -> ModelRecord:
+        """One model's state and engines. Every model shares the role's lifecycle; one whose
+        engines are all out of routing (lost, scaled in) has none to offer."""
+        engines = tuple(
+            engine_record(e, state, serving)
+            for e in serving.values()
+            if e.half != "prefill" and self.model_of(e) == model_id
+        )
+        return ModelRecord(
             state=state,
-            direct_eligible=True,
-            generation=engine.generation,
-            prefill=prefill,
+            route_mode=RouteMode.ROUTER if self.router_url else RouteMode.DIRECT,
+            router_url=self.router_url,
+            weight_source=self.weight_source,
+            weight_version=self.weight_version,
+            served_model_name=self.models[model_id].served_model_name,
+            engines=engines,
         )
 
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from relax_launch.inference.discovery import State
 from relax_launch.inference.manager import InferenceManager
 
 Metric = Counter | Gauge | Histogram
@@ -20,8 +21,9 @@ BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 
 
 class ModelStates(Collector):
-    """``relax_model_ready`` and ``relax_model_weight_version``, read from the managers when
-    scraped."""
+    """``relax_model_ready`` and ``relax_model_weight_version`` per model of each role, and
+    ``relax_engine_requests_answered`` per engine (the gateway's and the controller's requests
+    its current server answered), read from the managers when scraped."""
 
     def __init__(self, managers: dict[str, InferenceManager]) -> None:
         self.managers = managers
@@ -34,12 +36,23 @@ class ModelStates(Collector):
         version = GaugeMetricFamily(
             "relax_model_weight_version", "The weight version the engines serve", None, labels
         )
+        answered = GaugeMetricFamily(
+            "relax_engine_requests_answered",
+            "Requests the engine's current server answered",
+            None,
+            ["role", "model", "engine"],
+        )
         for role, manager in sorted(self.managers.items()):
-            ready.add_metric([role, manager.model_id], int(manager.ready))
+            for model_id, record in manager.snapshot().models.items():
+                ready.add_metric([role, model_id], int(record.state is State.READY))
             if manager.weight_version is not None:
                 version.add_metric([role, manager.model_id], float(manager.weight_version))
+            for engine in manager.engines:
+                count = manager.requests.answered(engine.engine_id)
+                answered.add_metric([role, manager.model_of(engine), engine.engine_id], count)
         yield ready
         yield version
+        yield answered
 
 
 class GatewayMetrics:

@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from relax_launch.models.build_vlm import build_tiny_qwen2_5_vl
 from relax_launch.models.registry import BUILTIN_MODELS, builtin_name, model_dir
+from relax_launch.models.tokenizer import train_tiny_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -102,7 +104,7 @@ def _build_tiny(out: Path, name: str, seed: int, **config: Any) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     facts = BUILTIN_MODELS[name]
-    fast = _tiny_tokenizer(facts.vocab_size)
+    fast = train_tiny_tokenizer(_TINY_CORPUS, facts.vocab_size, CHAT_TEMPLATE)
     fast.save_pretrained(out)
     hf_config = AutoConfig.for_model(
         MODEL_TYPES[facts.architecture],
@@ -130,32 +132,6 @@ def _build_tiny(out: Path, name: str, seed: int, **config: Any) -> None:
                     param.mul_(10)
     model.save_pretrained(out, safe_serialization=True)
     _require_architectures(out, facts.architecture)
-
-
-def _tiny_tokenizer(vocab_size: int) -> Any:
-    """A byte-level BPE tokenizer trained on a few sentences in well under a second."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_TINY_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def build_smollm2(out: Path) -> None:
@@ -222,4 +198,5 @@ BUILDERS = {
     "tiny-qwen2-moe": build_tiny_qwen2_moe,
     "smollm2-135m-instruct": build_smollm2,
     "smollm2-student": build_smollm2_student,
+    "tiny-qwen2.5-vl": build_tiny_qwen2_5_vl,
 }

@@ -34,6 +34,11 @@ class ModelFacts:
         return bool(self.architecture)
 
 
+# the trainer builds Qwen2.5-VL (trainer/vlm_model.py), but the RL step takes no images yet
+VLM_NOT_TRAINABLE = (
+    "vision-language models are not trained by RL jobs yet (docs/vlm.md: what works, what is "
+    "missing)"
+)
 # the tiny random models' shape (models/build.py), 2 layers of hidden size 64
 TINY = {
     "num_layers": 2,
@@ -69,6 +74,13 @@ BUILTIN_MODELS = {
     "tiny-qwen3-moe": ModelFacts(**TINY, architecture="Qwen3MoeForCausalLM", num_experts=4),
     # Qwen2-MoE's (Qwen1.5-MoE): 4 routed experts, top-2, a gated shared expert, q/k/v biases.
     "tiny-qwen2-moe": ModelFacts(**TINY, architecture="Qwen2MoeForCausalLM", num_experts=4),
+    # Qwen2.5-VL's: a 2-block vision tower and merger, multimodal RoPE (models/build_vlm.py)
+    "tiny-qwen2.5-vl": ModelFacts(
+        **(TINY | {"vocab_size": 384}),
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        tied_embeddings=True,
+        not_trainable=VLM_NOT_TRAINABLE,
+    ),
 }
 # What the trainer converts to Megatron-core and syncs back (trainer/hf_conversion.py); engines
 # that only serve (teacher, genrm) take any architecture SGLang runs.

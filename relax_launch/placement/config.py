@@ -11,6 +11,37 @@ from relax_launch.config.section import Section
 PlacementMode = Literal["decoupled", "split", "defer"]
 
 
+class SpareAutoscaleConfig(Section):
+    """The shared spare pool's autoscaler (``runtime/pool_policy.py``): it moves the pool's ranks
+    to the elastic role the step waits on, when a move saves more than its start costs."""
+
+    target_queue_per_engine: float = Field(
+        4.0,
+        gt=0,
+        description="Requests (queued and running) one teacher or genrm engine takes before "
+        "another helps: a burst asks for at most ceil(requests / this) engines.",
+    )
+    min_gain_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds a move must save (a burst ending sooner after the new engines' "
+        "start, or the next rollout phase's) beyond what the role giving the ranks loses.",
+    )
+    hold_s: float = Field(
+        5.0,
+        ge=0,
+        description="A role keeps its pool engines until it has had nothing to do for this "
+        "long (the hysteresis between two bursts).",
+    )
+    interval_s: float = Field(1.0, gt=0, description="How often the roles' load is read.")
+    start_estimate_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds an engine takes to start until it serves, until a scale-out of "
+        "the role has measured it (a rollout engine's first weight sync included).",
+    )
+
+
 class ClusterConfig(Section):
     """Where the job runs: torchrun's world is nnodes x nproc_per_node ranks."""
 
@@ -67,6 +98,22 @@ class ClusterConfig(Section):
         gt=0,
         description="The window of cluster.max_restarts: restarts older than this many seconds "
         "no longer count.",
+    )
+
+    spare_ranks: int = Field(
+        0,
+        ge=0,
+        description="decoupled: ranks after every role's, reserved for no role (the shared "
+        "spare pool). Each role with max_engines may start engines of its shape there (POST "
+        "/{role}/scale_out, or spare_autoscale) and gives the ranks back on scale-in; its "
+        "max_engines caps its engines and it reserves no ranks of its own. A rollout engine "
+        "started there joins the weight sync as any scaled-out one.",
+    )
+    spare_autoscale: SpareAutoscaleConfig | None = Field(
+        None,
+        description="Move the spare pool's ranks between the roles with their demand; every "
+        "decision and its reasons go to autoscaler.jsonl in the run directory. Needs "
+        "spare_ranks; the roles it scales have no autoscale of their own.",
     )
 
     @field_validator("stop_lead_s")

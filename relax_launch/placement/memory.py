@@ -78,10 +78,6 @@ def trainer_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict) ->
     terms.append(Term("optimizer state", 8 * optimizer_elements, adam, t.optimizer_offload))
     if job.algorithm.kl_coef > 0 and t.lora is None:
         terms.append(Term("KL reference", (dense + experts) * weight, "frozen initial policy"))
-    if job.critic is not None:  # PPO's value model on the same ranks (trainer/critic.py)
-        master = 4 if t.dtype == "bfloat16" else 0  # each DP rank holds its whole Adam state
-        per_element = weight + 4 + 8 + master
-        terms.append(Term("critic", (dense + experts) * per_element, "value model, its Adam"))
     terms += activation_terms(job, size, pp_rank, ranks)
     return terms
 
@@ -146,7 +142,7 @@ def activation_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict)
         per_token += kept.norm(size.hidden_size / kept.sp) + kept.b * size.hidden_size / kept.sp
     terms = [Term("activations", tokens * per_token, f"{tokens} tokens/micro-batch, {how}")]
     if last:
-        logits = logits_bytes(tokens, size, t.dtype, ranks["tp"])
+        logits = logits_bytes(tokens, size, t.dtype, ranks["tp"], t.lora is None)
         terms.append(Term("logits", logits, f"{tokens} tokens x vocab {size.vocab_size} / TP"))
     return terms
 
@@ -231,18 +227,20 @@ class LayerActivations:
         return router + routed + 5 * b * s.shared_expert_size / self.tp
 
 
-def logits_bytes(tokens: int, size: ModelSize, dtype: str, tp: int) -> float:
-    """The last stage's peak for the logits. Megatron's fused cross entropy ('native') turns an
-    fp32 copy of the logits (in fp32, the logits themselves) into the softmax in place and keeps
-    it; the forward holds bf16 logits beside that copy; the backward computes the gradient in
-    the softmax, casts it to bf16 (fused_cross_entropy.calculate_gradients) and autograd casts
-    that back to fp32 for fp32 logits. Then the output layer's backward holds that gradient and
-    its weight's (a new tensor, added to main_grad after)."""
+def logits_bytes(
+    tokens: int, size: ModelSize, dtype: str, tp: int, output_trained: bool = True
+) -> float:
+    """The last stage's peak for the logits. The loss (trainer/cross_entropy.py, Megatron's
+    fused pieces) turns an fp32 copy of the logits (in fp32, the logits themselves) into the
+    softmax in place and keeps it; the forward holds bf16 logits beside that copy; the backward
+    computes the gradient in the softmax and casts it to the logits' dtype (a bf16 copy under
+    bf16, nothing in fp32). Then the output layer's backward holds that gradient and, unless
+    LoRA freezes it, its weight's (a new tensor, added to main_grad after)."""
     b, vocab = BYTES[dtype], size.vocab_size / tp
-    forward = 0 if b == 4 else b
-    backward = 2 + (4 if b == 4 else 0)
-    cross_entropy = tokens * vocab * (4 + max(forward, backward))
-    return max(cross_entropy, (tokens + size.hidden_size) * vocab * b)
+    copy = 0 if b == 4 else b  # the bf16 logits beside the fp32 softmax, then the bf16 gradient
+    cross_entropy = tokens * vocab * (4 + copy)
+    weight_grad = size.hidden_size * vocab * b if output_trained else 0
+    return max(cross_entropy, tokens * vocab * b + weight_grad)
 
 
 def _micro_batches(job: JobConfig, ranks: dict) -> int:

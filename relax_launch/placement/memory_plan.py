@@ -17,16 +17,23 @@ plan unless its config gives one; a decoupled engine's default is SGLang's own.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import shutil
-import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from relax_launch.config.errors import ConfigError
 from relax_launch.models.sizes import ModelSize, model_size
+from relax_launch.placement.critic_memory import (
+    critic_state,
+    critic_terms,
+    named_terms,
+    state_of,
+    trainer_state,
+    wanted_mode,
+    with_critic_phases,
+)
+from relax_launch.placement.device_memory import GB, device_capacity
 from relax_launch.placement.memory import (
     RUNTIME_BYTES,
     Term,
@@ -40,9 +47,6 @@ if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
     from relax_launch.placement.plan import EnginePlan, PlacementPlan
 
-GB = 1e9
-# an 80 GB H100 as CUDA and nvidia-smi report it (81559 MiB)
-ASSUMED_GPU_GB = 81559 * 1024**2 / GB
 ROUNDING = 1.001  # SGLang rounds its default mem_fraction_static to 3 decimals
 COLOCATED_MARGIN = 0.03  # of capacity, kept free by a planned mem_fraction_static
 
@@ -90,6 +94,7 @@ class MemoryPlan:
     devices: tuple[DevicePhase, ...]
     engines: tuple[EngineMemory, ...]
     notes: tuple[str, ...] = field(default=())
+    critic_mode: str | None = None  # where the value model's state is in the trainer's turn
 
     def peak(self, rank: int) -> DevicePhase:
         return max((d for d in self.devices if d.rank == rank), key=lambda d: d.total)
@@ -101,44 +106,28 @@ class MemoryPlan:
         return json.dumps(asdict(self), indent=1)
 
 
-def device_capacity(job: JobConfig) -> tuple[float, str]:
-    """Bytes of one device and where the figure comes from."""
-    if job.cluster.device_memory_gb is not None:
-        return job.cluster.device_memory_gb * GB, "cluster.device_memory_gb"
-    if job.cluster.device == "cpu":
-        import psutil
-
-        share = psutil.virtual_memory().total / job.cluster.nproc_per_node
-        return share, f"this host's memory / {job.cluster.nproc_per_node} ranks"
-    found = _nvidia_smi_bytes()
-    if found:
-        return found, "nvidia-smi on this machine"
-    return ASSUMED_GPU_GB * GB, "assumed: an 80 GB H100 (set cluster.device_memory_gb)"
-
-
-@functools.cache  # preflight, launch and each engine worker plan memory: ask the GPU once
-def _nvidia_smi_bytes() -> float | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return min(float(mib) for mib in out) * 1024**2 if out else None
-
-
 def model_sizes(job: JobConfig) -> dict[str, ModelSize | None]:
+    """Each model's size, by what serves it: trainer, a role (its default model), or a role's
+    further model (``teacher.models[0]``: each model's engines hold their own weights)."""
     sizes = {"trainer": model_size(job.trainer.model), "rollout": model_size(job.rollout_model())}
     for name, role in job.inference_roles().items():
         if name != "rollout":
             sizes[name] = model_size(role.model)
+        for i, extra in enumerate(role.models):
+            sizes[f"{name}.models[{i}]"] = model_size(extra.model)
+    if job.critic is not None:
+        sizes["critic"] = model_size(job.critic.model or job.trainer.model)
     return sizes
+
+
+def model_key(engine: EnginePlan) -> str:
+    """The key of ``model_sizes`` for the model ``engine`` serves."""
+    return engine.role if engine.model == 0 else f"{engine.role}.models[{engine.model - 1}]"
+
+
+def engine_settings(job: JobConfig, engine: EnginePlan) -> dict:
+    """The SGLang arguments of the model ``engine`` serves."""
+    return job.inference_roles()[engine.role].model_sections()[engine.model].engine
 
 
 def memory_plan(job: JobConfig, plan: PlacementPlan) -> MemoryPlan | None:
@@ -147,43 +136,40 @@ def memory_plan(job: JobConfig, plan: PlacementPlan) -> MemoryPlan | None:
     if any(s is None for s in sizes.values()):
         return None
     capacity, source = device_capacity(job)
-    builder = _Builder(job, plan, sizes, capacity)
+    mode = wanted_mode(job, plan)
+    if mode == "auto":  # the critic stays beside the policy if the devices hold both
+        kept = _build(job, plan, sizes, (capacity, source), "keep")
+        fits = all(d.total <= capacity * ROUNDING for d in kept.devices)
+        return kept if fits else _build(job, plan, sizes, (capacity, source), "swap")
+    return _build(job, plan, sizes, (capacity, source), mode)
+
+
+def _build(
+    job: JobConfig, plan: PlacementPlan, sizes: dict, capacity: tuple, critic: str | None
+) -> MemoryPlan:
+    builder = _Builder(job, plan, sizes, capacity[0], critic)
     devices = [d for rank in plan.ranks for d in builder.device(rank)]
     return MemoryPlan(
         device=job.cluster.device,
-        capacity=capacity,
-        capacity_source=source,
+        capacity=capacity[0],
+        capacity_source=capacity[1],
         devices=tuple(devices),
         engines=tuple(builder.engines.values()),
         notes=tuple(builder.notes),
+        critic_mode=critic,
     )
 
 
 def planned_fraction(job: JobConfig, plan: PlacementPlan, engine: EnginePlan) -> float | None:
     """The ``mem_fraction_static`` this plan gives a colocated GPU engine whose config sets
     none; None where SGLang's own default or the config's value stands."""
-    settings = job.inference_roles()[engine.role].engine
+    settings = engine_settings(job, engine)
     if "mem_fraction_static" in settings or plan.mode == "decoupled":
         return None
     if job.cluster.device != "cuda":
         return None
     memory = memory_plan(job, plan)
     return memory.fraction_of(engine.label) if memory else None
-
-
-def check_device(job: JobConfig, plan: PlacementPlan, found: float | None, rank: int) -> None:
-    """Refuse to start on a device smaller than the one the plan was made for (``found``: the
-    device's bytes, None on the CPU)."""
-    if found is None:
-        return
-    capacity, source = device_capacity(job)
-    if found < capacity * 0.99:
-        raise ConfigError(
-            f"rank {rank}: its GPU has {found / GB:.1f} GB but the memory plan is for "
-            f"{capacity / GB:.1f} GB ({source}): set cluster.device_memory_gb={found / GB:.1f} "
-            "and check the plan (relax-launch plan CONFIG), or run on the GPUs it was made for.",
-            ("cluster.device_memory_gb",),
-        )
 
 
 def phases_of(plan: PlacementPlan) -> tuple[str, ...]:
@@ -195,8 +181,11 @@ def phases_of(plan: PlacementPlan) -> tuple[str, ...]:
 class _Builder:
     """Fills the plan one device at a time; engines' KV pools as their phases leave room."""
 
-    def __init__(self, job: JobConfig, plan: PlacementPlan, sizes: dict, capacity: float):
+    def __init__(
+        self, job: JobConfig, plan: PlacementPlan, sizes: dict, capacity: float, critic: str | None
+    ) -> None:
         self.job, self.plan, self.sizes, self.capacity = job, plan, sizes, capacity
+        self.critic = critic  # the value model's mode (placement/critic_memory.py), if any
         self.cuda = job.cluster.device == "cuda"
         self.engines: dict[str, EngineMemory] = {}
         self.notes: list[str] = []
@@ -209,11 +198,16 @@ class _Builder:
             for a in rank.assignments
             if a.engine_index is not None
         ]
+        if any(e.pool for e in engines):  # one pool role's engine at a time holds the rank
+            pool = [(f"pool: {e.role}", (self._active_engine(e, []),)) for e in engines]
+            return [DevicePhase(rank.rank, rank.node, *phase) for phase in pool]
         out = []
-        for phase in phases_of(self.plan):
+        for phase in with_critic_phases(phases_of(self.plan), self.critic):
             others = []
             if trainer is not None:
                 others.append(self._trainer(trainer.pp_rank, phase))
+            if trainer is not None and self.critic is not None:
+                others.append(self._critic(trainer.pp_rank, phase))
             waiting = [e for e in engines if not self._active(e, phase)]
             others += [self._idle_engine(e, phase) for e in waiting]
             active = [e for e in engines if self._active(e, phase)]
@@ -231,6 +225,8 @@ class _Builder:
             built = self._trainer(trainer.pp_rank, "train")
             state = [t for t in built.terms if t.name not in ("activations", "logits")]
             holders.append(Holder("trainer", "built", tuple(state)))
+            if self.critic is not None:
+                holders.append(self._critic(trainer.pp_rank, "start-up"))
         for engine in engines:
             if not engine.reserved:
                 holders.append(self._active_engine(engine, list(holders)))
@@ -242,21 +238,40 @@ class _Builder:
     def _runtime(self, kind: str) -> Term:
         return Term("runtime", RUNTIME_BYTES[(self.job.cluster.device, kind)], "process, context")
 
+    def _ranks(self) -> dict[str, int]:
+        t, layout = self.job.trainer, self.plan.trainer
+        ranks = {"tp": t.tp_size, "pp": t.pp_size, "dp": layout.dp_size}
+        return ranks | {"cp": t.cp_size, "ep": t.ep_size}
+
     def _trainer(self, pp_rank: int, phase: str) -> Holder:
         if pp_rank not in self._trainer_cache:
-            t, layout = self.job.trainer, self.plan.trainer
-            ranks = {"tp": t.tp_size, "pp": t.pp_size, "dp": layout.dp_size}
-            ranks |= {"cp": t.cp_size, "ep": t.ep_size}
             self._trainer_cache[pp_rank] = trainer_terms(
-                self.job, self.sizes["trainer"], pp_rank, ranks
+                self.job, self.sizes["trainer"], pp_rank, self._ranks()
             )
         terms = [self._runtime("trainer"), *self._trainer_cache[pp_rank]]
+        beside_critic = trainer_state(self.critic, phase)  # the critic's own phases
+        if beside_critic == "state":
+            return Holder("trainer", "state only", state_of(terms))
+        if beside_critic == "parameters":
+            return Holder("trainer", "parameters only", named_terms(terms, "runtime", "parameters"))
         if phase in ("resident", "train"):
             return Holder("trainer", "active", tuple(terms))
         if phase == "sync":  # the parameters send the weights; the rest is on the host
             kept = [t for t in terms if t.name in ("runtime", "parameters")]
             return Holder("trainer", "parameters only", tuple(kept))
         return Holder("trainer", "offloaded", (terms[0],))
+
+    def _critic(self, pp_rank: int, phase: str) -> Holder:
+        """The value model on a trainer rank (``placement/critic_memory.py``)."""
+        key = ("critic", pp_rank)
+        if key not in self._trainer_cache:
+            size = self.sizes["critic"]
+            self._trainer_cache[key] = critic_terms(self.job, size, pp_rank, self._ranks())
+        state, names = critic_state(self.critic, phase)
+        terms = self._trainer_cache[key]
+        return Holder(
+            "critic", state, tuple(terms) if names is None else named_terms(terms, *names)
+        )
 
     def _idle_engine(self, engine: EnginePlan, phase: str) -> Holder:
         terms = [self._runtime("engine")]
@@ -268,9 +283,9 @@ class _Builder:
         return Holder(engine.label, "released", tuple(terms))
 
     def _active_engine(self, engine: EnginePlan, others: list[Holder]) -> Holder:
-        size = self.sizes[engine.role]
-        dtype = self.job.engine_dtype(engine.role)
-        settings = self.job.inference_roles()[engine.role].engine
+        size = self.sizes[model_key(engine)]
+        settings = engine_settings(self.job, engine)
+        dtype = settings.get("dtype", self.job.engine_dtype(engine.role))
         weights = engine_weight_bytes(size, engine, dtype)
         per_token = kv_bytes_per_token(size, engine, dtype)
         terms = [
@@ -354,6 +369,11 @@ def _fixes(job: JobConfig, phase: DevicePhase) -> str:
     """What would shrink the largest consumers, the largest first."""
     fixes = []
     for role, term in _consumers(phase):
+        if role == "critic":  # swapping shrinks the trainer's turn, not the start-up
+            turn = phase.phase not in ("start-up", "resident") and job.critic.offload != "swap"
+            fixes += ["critic.offload=swap"] if turn else []
+            fixes += _trainer_fixes(job, term.name)[-1:]  # a larger layout shrinks it too
+            continue
         if role != "trainer":
             name = role.split()[0]
             fixes.append(f"a smaller {name}.engine.mem_fraction_static or a larger {name}.tp_size")
@@ -376,6 +396,5 @@ def _trainer_fixes(job: JobConfig, term: str) -> list[str]:
 
 def _fields(job: JobConfig, phase: DevicePhase) -> tuple[str, ...]:
     roles = dict.fromkeys(role.split()[0] for role, _ in _consumers(phase))
-    return tuple(
-        "trainer.distributed_optimizer" if r == "trainer" else f"{r}.tp_size" for r in roles
-    )
+    named = {"trainer": "trainer.distributed_optimizer", "critic": "critic.offload"}
+    return tuple(named.get(r, f"{r}.tp_size") for r in roles)

@@ -50,6 +50,8 @@ class EnginePlan:
     nodes: tuple[int, ...]
     disaggregation: str | None = None  # "prefill" or "decode" half of a disaggregated role
     reserved: bool = False  # its ranks wait for a scale-out (max_engines) to start it
+    pool: bool = False  # reserved on the shared spare pool's ranks (cluster.spare_ranks)
+    model: int = 0  # which of the role's models it serves: {role}.models[model - 1], 0 the default
 
     @property
     def head_rank(self) -> int:
@@ -57,9 +59,12 @@ class EnginePlan:
 
     @property
     def label(self) -> str:
-        """``rollout engine 1``, ``rollout engine 1 (prefill)``: how messages name it."""
+        """``rollout engine 1``, ``rollout engine 1 (prefill)``, ``teacher engine 2
+        (models[0])`` (an engine of a further model of its role): how messages name it."""
         half = f" ({self.disaggregation})" if self.disaggregation else ""
-        return f"{self.role} engine {self.index}{half}{' (reserved)' * self.reserved}"
+        model = f" (models[{self.model - 1}])" if self.model else ""
+        reserved = " (spare pool)" if self.pool else " (reserved)" * self.reserved
+        return f"{self.role} engine {self.index}{half}{reserved}{model}"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from relax_launch.placement.plan import (
     WeightSyncGroup,
     sync_rank_offsets,
 )
+from relax_launch.placement.spare_pool import check_pool, place_pool, pooled_ranks
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -72,7 +73,11 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
     """First global rank of each inference role, after checking the rank budget."""
     roles = job.inference_roles()
     mode = job.placement.mode
-    budget = " + ".join(_ranks_field(n, roles[n]) for n in SLICE_ORDER if n in roles)
+    budget = " + ".join(
+        f"{n}.ranks={roles[n].ranks}" if pooled_ranks(job, n) else _ranks_field(n, roles[n])
+        for n in SLICE_ORDER
+        if n in roles
+    )
     if mode == "defer":
         too_big = [n for n in SLICE_ORDER if n in roles and roles[n].total_ranks > world]
         if too_big:
@@ -83,12 +88,17 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
                 tuple(f"{n}.ranks" for n in too_big),
             )
         return {n: 0 for n in roles}
+    check_pool(job)
     offset = job.trainer.ranks if mode == "decoupled" else 0
     starts = {}
     for name in SLICE_ORDER:
         if name in roles:
             starts[name] = offset
-            offset += roles[name].total_ranks
+            offset += roles[name].total_ranks - pooled_ranks(job, name)
+    if job.cluster.spare_ranks:  # the shared spare pool's, after every role's
+        starts["spare"] = offset
+        offset += job.cluster.spare_ranks
+        budget += f" + cluster.spare_ranks={job.cluster.spare_ranks}"
     fields = tuple(f"{n}.ranks" for n in roles)
     if mode == "split" and offset > world:
         raise ConfigError(
@@ -111,7 +121,11 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
 
 
 def _ranks_field(name: str, role: InferenceRoleConfig) -> str:
-    """``rollout.ranks=2``; with prefill engines ``(rollout.ranks=1 + rollout.prefill.ranks=1)``."""
+    """``rollout.ranks=2``; with prefill engines ``(rollout.ranks=1 + rollout.prefill.ranks=1)``;
+    with further models ``(teacher.ranks=1 + teacher.models[0].ranks=1)``."""
+    if role.models:
+        models = (f"{name}.models[{i}].ranks={m.ranks}" for i, m in enumerate(role.models))
+        return f"({' + '.join((_ranks_field(name, role.model_sections()[0]), *models))})"
     if role.reserved_engines:
         reserved = role.reserved_engines * role.ranks_per_engine
         return f"({name}.ranks={role.ranks} + {reserved} reserved for {name}.max_engines)"
@@ -185,7 +199,8 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
         first = starts[name]
         for field, shape, disaggregation in halves:
             width = shape.ranks_per_engine
-            for n in range(shape.num_engines + shape.reserved_engines):
+            own = shape.reserved_engines if not pooled_ranks(job, name) else 0
+            for n in range(shape.num_engines + own):
                 _check_engine_span(field, len(engines_of(engines, name)), first, width, per_node)
                 ranks = tuple(range(first, first + width))
                 engines.append(
@@ -202,7 +217,43 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
                     )
                 )
                 first += width
+        _place_models(engines, job, name, first, per_node)
+    if "spare" in starts:
+        place_pool(engines, job, starts["spare"], per_node, _inference_phase("decoupled", ""))
     return tuple(engines)
+
+
+def _place_models(
+    engines: list[EnginePlan], job: JobConfig, name: str, first: int, per_node: int
+) -> None:
+    """The engines of the role's further models (``{name}.models``), from rank ``first`` on,
+    one model after another."""
+    for number, section in enumerate(job.inference_roles()[name].model_sections()[1:], 1):
+        field, width = f"{name}.models[{number - 1}]", section.ranks_per_engine
+        if section.ranks % width:
+            raise ConfigError(
+                f"{field}.ranks={section.ranks} is not a multiple of one engine's {width} ranks "
+                f"({field}.tp_size x {field}.pp_size): set {field}.ranks to a multiple of "
+                f"{width} (engines are whole).",
+                (f"{field}.ranks", f"{field}.tp_size"),
+            )
+        for _ in range(section.num_engines):
+            index = len(engines_of(engines, name))
+            _check_engine_span(field, index, first, width, per_node)
+            ranks = tuple(range(first, first + width))
+            engines.append(
+                EnginePlan(
+                    role=name,
+                    index=index,
+                    ranks=ranks,
+                    tp_size=section.tp_size,
+                    pp_size=section.pp_size,
+                    phase=_inference_phase(job.placement.mode, name),
+                    nodes=tuple(sorted({r // per_node for r in ranks})),
+                    model=number,
+                )
+            )
+            first += width
 
 
 def engines_of(engines: list[EnginePlan], role: str) -> list[EnginePlan]:

@@ -19,7 +19,7 @@ from relax_launch.models.registry import (
     builtin_name,
     model_facts,
 )
-from relax_launch.placement.memory_plan import check_memory, memory_plan, model_sizes
+from relax_launch.placement.memory_plan import check_memory, memory_plan, model_key, model_sizes
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.rl.reasoning_gym_config import PREFIX as REASONING_GYM
 
@@ -44,8 +44,9 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
         else:
             facts[role] = found
     _check_trainer_fits(job, facts.get("trainer"))
-    for engine_role in job.inference_roles():
-        _check_engine_fits(job, plan, engine_role, facts.get(engine_role))
+    for key in models:
+        if key != "trainer":  # every model's engines: a role's default and further models
+            _check_engine_fits(job, plan, key, facts.get(key))
     _check_shared_shapes(facts)
     _check_kv_transfer(job)
     dataset_problem = _dataset_problem(job.data.dataset)
@@ -68,9 +69,13 @@ def _check_memory(job: JobConfig, plan: PlacementPlan) -> str | None:
 
 
 def models_of(job: JobConfig) -> dict[str, str]:
-    """The model reference of the trainer and of each inference role."""
+    """The model reference of the trainer, of each inference role and of each further model of
+    a role (``teacher.models[0]``), keyed as ``memory_plan.model_key`` keys engines."""
     models = {"trainer": job.trainer.model, "rollout": job.rollout_model()}
-    models.update({n: r.model for n, r in job.inference_roles().items() if n != "rollout"})
+    for name, role in job.inference_roles().items():
+        if name != "rollout":
+            models[name] = role.model
+        models.update({f"{name}.models[{i}]": m.model for i, m in enumerate(role.models)})
     return models
 
 
@@ -158,13 +163,14 @@ def _check_experts_fit(job: JobConfig, facts: ModelFacts) -> None:
 
 
 def _check_engine_fits(
-    job: JobConfig, plan: PlacementPlan, role: str, facts: ModelFacts | None
+    job: JobConfig, plan: PlacementPlan, key: str, facts: ModelFacts | None
 ) -> None:
-    engines = plan.engines_of(role)
+    """The engines of one model (``key``: a role, or one of its further models)."""
+    engines = [e for e in plan.engines if model_key(e) == key]
     if facts is None or not engines:
         return
     for engine in {(e.tp_size, e.pp_size, e.disaggregation): e for e in engines}.values():
-        _check_engine_shape(job, role, engine, facts)
+        _check_engine_shape(job, key, engine, facts)
 
 
 def _check_engine_shape(job: JobConfig, role: str, engine: EnginePlan, facts: ModelFacts) -> None:
@@ -187,7 +193,7 @@ def _check_engine_shape(job: JobConfig, role: str, engine: EnginePlan, facts: Mo
         )
     if pp > 1 and facts.tied_embeddings and facts.architecture == "LlamaForCausalLM":
         raise ConfigError(
-            f"{role} engines with pp_size > 1 cannot serve {models_of(job)[engine.role]!r}: "
+            f"{role} engines with pp_size > 1 cannot serve {models_of(job)[model_key(engine)]!r}: "
             "SGLang's Llama takes a tied head from the embedding, which its last pipeline "
             f"stage does not hold. Set {role}.pp_size=1 (and tp_size instead).",
             (f"{role}.pp_size",),
@@ -203,14 +209,16 @@ def _check_shared_shapes(facts: dict[str, ModelFacts]) -> None:
             "rollout.model unset to serve the trainer's model.",
             ("rollout.model", "trainer.model"),
         )
-    teacher = facts.get("teacher")
-    if teacher and rollout and teacher.vocab_size != rollout.vocab_size:
-        raise ConfigError(
-            f"teacher.model has a {teacher.vocab_size}-token vocabulary but the student has "
-            f"{rollout.vocab_size}; on-policy distillation scores the student's tokens with the "
-            "teacher, so both must share one tokenizer: pick a teacher of the same family.",
-            ("teacher.model",),
-        )
+    teachers = {k: f for k, f in facts.items() if k.partition(".")[0] == "teacher"}
+    for key, teacher in teachers.items():
+        if rollout and teacher.vocab_size != rollout.vocab_size:
+            raise ConfigError(
+                f"{key}.model has a {teacher.vocab_size}-token vocabulary but the student has "
+                f"{rollout.vocab_size}; on-policy distillation scores the student's tokens with "
+                "the teacher, so both must share one tokenizer: pick a teacher of the same "
+                "family.",
+                (f"{key}.model",),
+            )
 
 
 def _check_kv_transfer(job: JobConfig) -> None:

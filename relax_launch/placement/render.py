@@ -32,10 +32,15 @@ def describe(assignment: RoleAssignment, half: str | None = None) -> str:
 
 def half_of(plan: PlacementPlan, a: RoleAssignment) -> str | None:
     """ "prefill"/"decode" for a rank of a disaggregated role's engine, "reserved" for one of
-    the engines a scale-out starts (max_engines), else None."""
+    the engines a scale-out starts (max_engines), "models[K]" for one of a further model of
+    its role, else None."""
     if a.engine_index is None:
         return None
     engine = plan.engines_of(a.role)[a.engine_index]
+    if engine.model:
+        return f"models[{engine.model - 1}]"
+    if engine.pool:
+        return "pool"
     return "reserved" if engine.reserved else engine.disaggregation
 
 
@@ -76,6 +81,14 @@ def summary(plan: PlacementPlan) -> str:
         lines.append(
             f"{e.label}: ranks {e.ranks[0]}-{e.ranks[-1]} (head {e.head_rank}) "
             f"tp={e.tp_size} pp={e.pp_size} node(s) {','.join(map(str, e.nodes))}{pair}"
+        )
+    pool = [e for e in plan.engines if e.pool]
+    if pool:
+        ranks = sorted({r for e in pool for r in e.ranks})
+        lines.append(
+            f"spare pool: ranks {_span(tuple(ranks))}, for no role; on scale-out "
+            + ", ".join(f"{e.role} engine {e.index}" for e in pool)
+            + " (whichever holds its ranks first)"
         )
     lines.append("phase order: " + " -> ".join(plan.phase_order))
     rollout = [e for e in plan.engines_of("rollout") if not e.reserved]
@@ -229,7 +242,7 @@ def _holder_text(holder: Holder) -> str:
         f"{t.name} {t.bytes / GB:.2f}{' (host)' if t.host else ''}" for t in holder.terms
     )
     role = holder.role.split(" engine")[0]
-    return f"{role} [{holder.state}]: {terms}"
+    return f"{role} [{holder.state}]" + (f": {terms}" if terms else "")  # offloaded: nothing
 
 
 def _span(ranks: tuple[int, ...]) -> str:

@@ -3,11 +3,15 @@ turns, tools included, through an OpenAI-compatible client; the engine's tokens 
 with the engine's own ids and logprobs, and everything between them (tool results, user turns,
 the chat template's markup) is in the sequence but masked out of the loss.
 
-Token in, token out: each turn is generated from the exact token ids of the conversation so far
-(the earlier turns' engine ids, then the template's rendering of the messages added since), so
-nothing the engine produced is ever re-tokenised. A call whose conversation does not extend the
-previous turn (an edited assistant reply, a new history, a template that rewrites earlier turns)
-cannot be trained exactly: the sample is rejected and counted (``agent/rejected``).
+Token in, token out (``rollout.multi_turn: continue_tokens``): each turn is generated from the
+exact token ids of the conversation so far (the earlier turns' engine ids, then the template's
+rendering of the messages added since), so nothing the engine produced is ever re-tokenised,
+also where the template renders earlier turns otherwise once more come (Qwen3 drops their
+``<think>`` blocks): the sample is what the engine saw. A call whose conversation does not extend
+the previous turn (an edited assistant reply, a new history) cannot be trained exactly: the
+sample is rejected and counted (``agent/rejected``); so is a template that rewrites earlier turns
+under ``strict``. ``per_turn`` (``rl/agent_turns.py``) makes each turn a sample of its own, with
+the context the template renders at inference.
 
 A rollout function: ``async def fn(prompt, client) -> list[dict]`` gets the prompt (its
 ``messages``, ``label``, ``data_source``) and the client, and returns the conversation; the
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from relax_launch.rl.calculator import calculator
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.rollout import all_or_none, weight_version_of
-from relax_launch.rl.samples import Sample
+from relax_launch.rl.samples import Sample, TurnTokens
 
 if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
     from relax_launch.inference.inprocess import EngineClients
@@ -74,24 +78,51 @@ def as_dict(message: Any) -> dict[str, Any]:
     return dict(message)
 
 
+def for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """The message as an OpenAI-compatible server hands it to the chat template: tool calls'
+    JSON ``arguments`` as objects (SGLang's serving_chat does so; templates such as Qwen2.5's
+    would otherwise encode the string once more)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        try:
+            arguments = json.loads(function.get("arguments", ""))
+        except (TypeError, ValueError):
+            arguments = None
+        if isinstance(arguments, dict):
+            function["arguments"] = arguments
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}
+
+
 class AgentClient:
     """What a rollout function gets: ``client.chat.completions.create(messages=..., tools=...,
     temperature=..., max_tokens=...)`` as in the ``openai`` package, answered by the job's
     rollout engines (``n`` must be 1; ``model`` is ignored) and recorded in ``trajectory``."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, temperature: float, budget: int) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer: Any, temperature: float, budget: int, strict: bool = False
+    ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
+        self.strict = strict  # reject a template that rewrites earlier turns (multi_turn: strict)
         self.temperature, self.budget = temperature, budget
         self.trajectory = Trajectory()
         self.history: list[dict[str, Any]] | None = None  # the messages of the last call
         self.reply: dict[str, Any] = {}  # the assistant message it returned
         self.ended_with: int | None = None  # its stop token, when the engine produced one
         self.engine_error: Exception | None = None  # raised by the engines: fails the step
+        self.scores: dict[str, float] = {}  # rewards the rollout computed (an environment's)
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
     def render(self, messages: list[dict[str, Any]], tools: Any, generate: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generate, tokenize=False
+            [for_template(m) for m in messages],
+            tools=tools,
+            add_generation_prompt=generate,
+            tokenize=False,
         )
 
     async def create(self, *, messages: list[Any], **options: Any) -> Any:
@@ -101,14 +132,8 @@ class AgentClient:
                 f"the agent client does not take {sorted(unknown) or 'n != 1 or stream'}; it "
                 f"takes messages and {', '.join(sorted(ACCEPTED - {'n', 'stream'}))}"
             )
-        tools = options.get("tools")
         conversation = [as_dict(m) for m in messages]
-        new_tokens = self._extend(conversation, tools)
-        t = self.trajectory
-        t.ids += new_tokens
-        t.mask += [0.0] * len(new_tokens)
-        t.logprobs += [0.0] * len(new_tokens)
-        left = self.budget - len(t.ids)
+        context, left = self._context(conversation, options.get("tools"))
         if left <= 0:
             raise RolloutBudgetExceeded(f"the conversation used its {self.budget} tokens")
         wanted = options.get("max_completion_tokens") or options.get("max_tokens") or left
@@ -117,7 +142,7 @@ class AgentClient:
             "max_new_tokens": min(wanted, left),
         }
         sampling |= {k: options[k] for k in ("top_p", "stop") if options.get(k) is not None}
-        body = {"input_ids": t.prompt_ids + t.ids, "return_logprob": True}
+        body = {"input_ids": context, "return_logprob": True}
         try:
             reply = await self.engine(body | {"sampling_params": sampling})
         except Exception as exc:  # the engines' failure, not the rollout function's
@@ -126,6 +151,19 @@ class AgentClient:
         text = self._record(reply)
         self.history = conversation
         return self._completion(text, reply)
+
+    def _context(self, conversation: list[dict[str, Any]], tools: Any) -> tuple[list[int], int]:
+        """(the ids this turn is generated from, the tokens the budget has left for it)."""
+        new_tokens = self._extend(conversation, tools)
+        t = self.trajectory
+        t.ids += new_tokens
+        t.mask += [0.0] * len(new_tokens)
+        t.logprobs += [0.0] * len(new_tokens)
+        return t.prompt_ids + t.ids, self.budget - len(t.ids)
+
+    def recorded_turns(self) -> list[Trajectory]:
+        """The trajectories that become training rows: here the one conversation."""
+        return [self.trajectory]
 
     def _extend(self, conversation: list[dict[str, Any]], tools: Any) -> list[int]:
         """The token ids to add before this turn: the whole prompt on the first call; after
@@ -145,19 +183,21 @@ class AgentClient:
     def _added(self, conversation: list[dict[str, Any]], tools: Any) -> tuple[str | None, str]:
         """(why the conversation does not extend the last one, or None; the text it adds: the
         template's end of the last reply, less the stop token the engine produced, then the new
-        messages and the generation prompt)."""
+        messages and the generation prompt, all as the template renders them after a reply of
+        its own, whatever it makes of the earlier turns)."""
         seen = len(self.history)
         if conversation[:seen] != self.history or conversation[seen : seen + 1] != [self.reply]:
             return "the conversation is not the previous one plus the reply it got", ""
-        before = self.render(conversation[: seen + 1], tools, generate=False)
-        after = self.render(conversation, tools, generate=True)
-        if not after.startswith(before):
-            return "the chat template rewrites earlier turns", ""
+        if self.strict:
+            before = self.render(conversation[: seen + 1], tools, generate=False)
+            if not self.render(conversation, tools, generate=True).startswith(before):
+                return "the chat template rewrites earlier turns", ""
         marked = [*self.history, {"role": "assistant", "content": SENTINEL}]
-        end = self.render(marked, tools, generate=False).split(SENTINEL, 1)[1]
+        marked += conversation[seen + 1 :]
+        end = self.render(marked, tools, generate=True).split(SENTINEL, 1)[1]
         if self.ended_with is not None:
             end = end.removeprefix(self.tokenizer.decode([self.ended_with]))
-        return None, end + after[len(before) :]
+        return None, end
 
     def _record(self, reply: dict[str, Any]) -> str:
         t, meta = self.trajectory, reply["meta_info"]
@@ -223,6 +263,8 @@ class AgentClient:
 
 
 RolloutFunction = Callable[[Prompt, AgentClient], Awaitable[list[Any]]]
+# (engine, tokenizer, temperature, budget) -> the client of one conversation (rl/agent_turns.py)
+ClientFactory = Callable[[Engine, Any, float, int], AgentClient]
 
 
 def load_rollout_function(spec: str) -> RolloutFunction:
@@ -263,16 +305,18 @@ def generate(
     max_tokens: int,
     function: RolloutFunction,
     tokenizer: Any,
+    client: ClientFactory = AgentClient,
 ) -> list[Sample]:
     """``n`` conversations per prompt, all concurrent on the job's event loop, as samples in
-    prompt order; ``max_tokens`` bounds each conversation's tokens after its prompt."""
+    prompt order; ``max_tokens`` bounds each conversation's tokens after its prompt; ``client``
+    records each (``rollout.multi_turn``)."""
     rollout = engines.client("rollout")
     clients = []
     for group in range(len(prompts)):
         for _ in range(n):
             key = f"g{group}"  # a prompt's conversations share an engine and its prefix cache
             engine = functools.partial(rollout.request, "/generate", affinity_key=key)
-            clients.append(AgentClient(engine, tokenizer, temperature, max_tokens))
+            clients.append(client(engine, tokenizer, temperature, max_tokens))
 
     conversations = [converse(function, prompts[i // n][0], c) for i, c in enumerate(clients)]
     outcomes = engines.run(all_or_none(conversations), what=f"{len(clients)} agentic rollouts")
@@ -290,8 +334,12 @@ def to_sample(
     outcome: str,
 ) -> Sample:
     """One conversation as a sample: trained only when it was recorded exactly and did not
-    fail (a conversation out of budget is trained as far as it went)."""
-    t, (source, ids) = client.trajectory, prompt
+    fail (a conversation out of budget is trained as far as it went). With one row per turn
+    (``per_turn``) the sample is the last turn's row, the earlier ones in ``earlier_turns``."""
+    source, ids = prompt
+    rows = client.recorded_turns()
+    t = rows[-1] if rows else client.trajectory
+    versions = [v for row in rows for v in row.versions]
     replies = [m for m in conversation or [] if m.get("role") == "assistant"]
     text = (replies[-1] if replies else client.reply).get("content") or ""
     sample = Sample(
@@ -302,14 +350,16 @@ def to_sample(
         response_ids=t.ids,
         logprobs=t.logprobs,
         text=text,
-        weight_version=str(min(t.versions)) if t.versions else "None",
+        weight_version=str(min(versions)) if versions else "None",
         finish_reason=t.finish_reason,
         data_source=source.data_source,
         meta=source.meta,
         response_mask=t.mask,
         conversation=conversation,
-        turns=t.turns,
+        scores=client.scores or None,
+        turns=sum(row.turns for row in rows),
         outcome=outcome or ("rejected" if t.rejected else ""),
+        earlier_turns=[TurnTokens(r.prompt_ids, r.ids, r.logprobs) for r in rows[:-1]] or None,
     )
-    sample.valid = sample.outcome in ("", "out_of_budget") and t.turns > 0
+    sample.valid = sample.outcome in ("", "out_of_budget") and sample.turns > 0
     return sample

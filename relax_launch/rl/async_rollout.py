@@ -36,7 +36,13 @@ from typing import Any
 from relax_launch.deadline import Deadline
 from relax_launch.inference.client import InferenceError
 from relax_launch.inference.inprocess import EngineClients
-from relax_launch.rl.agent import AgentClient, RolloutFunction, converse, to_sample
+from relax_launch.rl.agent import (
+    AgentClient,
+    ClientFactory,
+    RolloutFunction,
+    converse,
+    to_sample,
+)
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.rollout import reply_sample, weight_version_of
 from relax_launch.rl.samples import Sample
@@ -63,9 +69,11 @@ class ContinuousRollout:
         sampling: dict[str, Any],
         max_tokens: int,
         version: int,
+        client: ClientFactory = AgentClient,
     ) -> None:
         self.engines, self.draw, self.abort, self.tokenizer = engines, draw, abort, tokenizer
         self.agent = agent  # rollout.function: conversations instead of single responses
+        self.client = client  # records each conversation (rollout.multi_turn)
         self.n, self.k, self.sampling, self.max_tokens = n, max_staleness, sampling, max_tokens
         self.version = version  # the weights the engines serve
         self.batches = 0  # batches started
@@ -206,7 +214,7 @@ class ContinuousRollout:
     async def _conversation(self, prompt: Prompt, ids: list[int], key: str) -> Sample:
         """One conversation of the rollout function (``rl/agent.py``), each of its turns
         resumable as a plain response is."""
-        client = AgentClient(
+        client = self.client(
             functools.partial(self._generate, key=key),
             self.tokenizer,
             self.sampling["temperature"],

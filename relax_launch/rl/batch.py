@@ -67,6 +67,12 @@ def to_batch(samples: list[Sample], distill_coef: float) -> TokenBatch:
     tokens, masks, weights, old = [], [], [], []
     for s in samples:
         trained = s.valid and not s.masked and bool(s.response_ids)
+        for turn in s.earlier_turns or ():  # per_turn: a row per earlier turn, same advantage
+            prompt_len = len(turn.prompt_ids)
+            tokens.append(tuple(turn.prompt_ids + turn.response_ids))
+            masks.append(tuple([0.0] * prompt_len + [float(trained)] * len(turn.response_ids)))
+            weights.append(tuple([0.0] * prompt_len + [s.advantage] * len(turn.response_ids)))
+            old.append(tuple([0.0] * prompt_len + turn.logprobs))
         per_token = [s.advantage] * len(s.response_ids)
         if distill_coef and s.teacher_logprobs:
             extra = distill_advantages(s.logprobs, s.teacher_logprobs, distill_coef)
@@ -77,6 +83,13 @@ def to_batch(samples: list[Sample], distill_coef: float) -> TokenBatch:
         masks.append(tuple([0.0] * prompt_len + [float(trained) * m for m in produced]))
         weights.append(tuple([0.0] * prompt_len + per_token))
         old.append(tuple([0.0] * prompt_len + s.logprobs))
+    # per_turn's rows vary in number: rows without loss make them a multiple of the samples',
+    # which split over the data-parallel ranks and micro-batches (config/rules.py)
+    while samples and len(tokens) % len(samples):
+        tokens.append((tokens[0] * 2)[:2])
+        masks.append((0.0, 0.0))
+        weights.append((0.0, 0.0))
+        old.append((0.0, 0.0))
     routed = [s.routed_experts for s in samples]
     replay = tuple(routed) if all(r is not None for r in routed) else None
     return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old), replay)
@@ -89,7 +102,10 @@ def sample_metrics(
     second (over every response drawn, ``drawn_tokens``, when dynamic sampling drew more); the
     reverse KL to the teacher where it scored."""
     valid = [s for s in samples if s.valid]
-    generated = sum(len(s.response_ids) for s in samples)
+    generated = sum(
+        len(s.response_ids) + sum(len(t.response_ids) for t in s.earlier_turns or ())
+        for s in samples
+    )
     drawn = generated if drawn_tokens is None else drawn_tokens
     out = {
         "reward": sum(s.reward for s in valid) / len(valid) if valid else float("nan"),

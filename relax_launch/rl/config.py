@@ -12,12 +12,15 @@ from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
 from relax_launch.notify import url_problems
+from relax_launch.rl.code_config import CodeTestsConfig
 from relax_launch.rl.control_config import ControlConfig
 from relax_launch.rl.policy_loss_config import PolicyLossFields
 
-BUILTIN_REWARDS = ("exact_numeric", "format", "math_verify", "reasoning_gym")
-# scored in worker processes under a per-sample time limit (rl/reward_pool.py)
-POOLED_REWARDS = ("math_verify", "reasoning_gym")
+BUILTIN_REWARDS = ("exact_numeric", "format", "math_verify", "reasoning_gym", "code_tests")
+BUILTIN_REWARDS += ("environment",)  # rollout.environment's rubric (rl/environments.py)
+# scored in worker processes (rl/reward_pool.py) or sandboxes (rl/code_pool.py) under a
+# per-sample time limit
+POOLED_REWARDS = ("math_verify", "reasoning_gym", "code_tests")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -240,9 +243,13 @@ class RewardSource(Section):
     timeout_s: float = Field(
         5.0,
         gt=0,
-        description="builtin:math_verify / builtin:reasoning_gym: the time one sample may take "
-        "in its scoring worker; over it the sample gets 0, is counted in "
-        "reward/NAME/timeouts, and the worker is killed and replaced.",
+        description="builtin:math_verify / reasoning_gym / code_tests: the time one sample may "
+        "take in its scoring worker or sandbox; over it the sample is counted in "
+        "reward/NAME/timeouts and its process killed (code_tests keeps the tests passed "
+        "before, the others give 0).",
+    )
+    code: CodeTestsConfig | None = Field(
+        None, description="builtin:code_tests: its sandbox (unset: the defaults)."
     )
 
     @property
@@ -269,9 +276,11 @@ class RewardSource(Section):
             )
         if "timeout_s" in self.model_fields_set and not self.pooled:
             raise ValueError(
-                f"reward source {self.name!r}: timeout_s limits builtin:math_verify and "
-                "builtin:reasoning_gym only; remove it"
+                f"reward source {self.name!r}: timeout_s limits builtin:math_verify, "
+                "reasoning_gym and code_tests only; remove it"
             )
+        if self.code is not None and fn != "builtin:code_tests":
+            raise ValueError(f"reward source {self.name!r}: code is for builtin:code_tests only")
         return self
 
 

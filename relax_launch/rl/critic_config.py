@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 class CriticConfig(Section):
     """PPO's value model: the Megatron GPT body of ``model`` with a scalar value head, trained
-    on the trainer's ranks after the policy each step (``trainer/critic.py``)."""
+    on the trainer's ranks after the policy each step (``trainer/critic.py``); in a colocated
+    placement offloaded between the trainer's turns (``runtime/critic_turns.py``)."""
 
     model: str | None = Field(
         None,
@@ -48,6 +49,16 @@ class CriticConfig(Section):
         "trainer",
         description="trainer: the value model shares the trainer's ranks, trained after the "
         "policy each step. own (ranks of its own) is not built yet and is refused.",
+    )
+    offload: Literal["auto", "swap", "keep"] = Field(
+        "auto",
+        description="Colocated placement (split, defer), where the value model is on the "
+        "device only in the trainer's turn (in host memory while the engines hold it). Within "
+        "that turn, swap: its parameters, gradients and optimizer state stay in host memory "
+        "while the policy trains, and the policy's gradients and optimizer state go there while "
+        "it trains; keep: both models stay on the device through the turn; auto: swap when the "
+        "memory plan's train phases do not hold both (relax-launch plan shows which). "
+        "Decoupled placement keeps both resident: leave it auto.",
     )
     tp_size: int | None = Field(
         None, ge=1, description="Must equal trainer.tp_size (it shares the ranks); unset: it."

@@ -47,18 +47,32 @@ def train_with_critic(
     ctx: RLContext, samples: list[Sample], batch: TokenBatch, spec: LossSpec
 ) -> dict[str, float]:
     """V_old, GAE, the policy's step on the whitened advantages, then the critic's step; the
-    trainer's metrics and ``critic/*``."""
-    a = ctx.algorithm
-    values = ctx.job.critic_values(batch)
-    advantages, targets = advantages_and_returns(samples, values, a.gamma, a.lam)
-    masks = [list(m[1:]) for m in batch.loss_mask]
-    whitened = whiten(advantages, masks)
-    policy = replace(batch, token_weights=tuple((0.0, *row) for row in whitened))
-    metrics = ctx.job.train_step(policy, spec)
-    shifted = critic_batch(batch, [[0.0, *r] for r in targets], [[0.0, *v] for v in values])
-    metrics |= train_critic(ctx, shifted)
-    return metrics | {
-        "critic/explained_variance": explained_variance(values, targets, masks),
-        "critic/value_mean": masked_mean(values, masks),
-        "critic/return_mean": masked_mean(targets, masks),
-    }
+    trainer's metrics, ``critic/*``, and in a colocated placement the bytes the critic's turns
+    moved (``memory/*``). The value model's state moves between the moments as the job's
+    ``critic_turns`` says (``runtime/critic_turns.py``); the turn ends as it began, also on a
+    failure."""
+    a, turns = ctx.algorithm, ctx.job.critic_turns
+    try:
+        turns.scoring()
+        values = ctx.job.critic_values(batch)
+        advantages, targets = advantages_and_returns(samples, values, a.gamma, a.lam)
+        masks = [list(m[1:]) for m in batch.loss_mask]
+        whitened = whiten(advantages, masks)
+        policy = replace(batch, token_weights=tuple((0.0, *row) for row in whitened))
+        turns.policy_training()
+        metrics = ctx.job.train_step(policy, spec)
+        shifted = critic_batch(batch, [[0.0, *r] for r in targets], [[0.0, *v] for v in values])
+        turns.critic_training()
+        metrics |= train_critic(ctx, shifted)
+    finally:
+        turns.done()
+    moved = {f"memory/{k}_gb": v / 1e9 for k, v in turns.take_moved().items()}
+    return (
+        metrics
+        | moved
+        | {
+            "critic/explained_variance": explained_variance(values, targets, masks),
+            "critic/value_mean": masked_mean(values, masks),
+            "critic/return_mean": masked_mean(targets, masks),
+        }
+    )

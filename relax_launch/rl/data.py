@@ -2,13 +2,16 @@
 (read locally with pyarrow), shuffled deterministically, resumable.
 
 A row has ``prompt`` (text) or ``messages`` (chat), and optionally ``label`` and
-``data_source``; ``data.prompt_key``, ``messages_key`` and ``label_key`` name other fields. The
-chat template is the tokenizer's (``rl.context.PromptFeed``). Built-in tasks are generated
-locally from the seed (no downloads) and carry checkable labels:
+``data_source``; ``data.prompt_key``, ``messages_key``, ``label_key`` and ``data_source_key``
+name other fields. The chat template is the tokenizer's (``rl.context.PromptFeed``). Built-in
+tasks are generated locally from the seed (no downloads) and carry checkable labels:
   arithmetic  "What is 17 + 25? ..."  label "42"           (reward builtin:exact_numeric)
   format      "... End with the line 'Answer: <word>'"      (reward builtin:format)
   word_problems  "Ann has 17 apples and buys 25 more. ..."  label "42", with a system prompt
                  offering the calculator of rollout.function: builtin:calculator
+  code        "Write a Python function `add(a, b)` ..." with three assert ``tests``
+                 (reward builtin:code_tests; rl/code_tasks.py)
+A row's ``tests`` (for ``builtin:code_tests``) travel in its ``meta``.
 ``reasoning_gym:TASK[+TASK...]`` draws reasoning-gym's procedural tasks (``data.reasoning_gym``;
 ``rl/reasoning_gym_tasks.py``), each row carrying its task's entry for ``builtin:reasoning_gym``.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relax_launch.rl import code_tasks
 from relax_launch.rl.data_config import PromptSource
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig, task_names
 
@@ -98,7 +102,20 @@ def word_problems(count: int, seed: int) -> list[Prompt]:
     return prompts
 
 
-BUILTIN_TASKS = {"arithmetic": arithmetic, "format": format_task, "word_problems": word_problems}
+def code(count: int, seed: int) -> list[Prompt]:
+    """``count`` Python function tasks with their assert tests, from the seed."""
+    return [
+        Prompt(i, ({"role": "user", "content": text},), None, "code", {"tests": tests})
+        for i, (text, tests) in enumerate(code_tasks.rows(count, seed))
+    ]
+
+
+BUILTIN_TASKS = {
+    "arithmetic": arithmetic,
+    "format": format_task,
+    "word_problems": word_problems,
+    "code": code,
+}
 BUILTIN_SIZE = 1000
 
 
@@ -194,7 +211,7 @@ def _json_row(line: str, where: str) -> Any:
 
 def from_row(row: Any, index: int, where: str, data: PromptSource) -> Prompt:
     """A prompt from one row: its ``prompt_key`` text or ``messages_key`` chat, and the optional
-    ``label_key`` and ``data_source``."""
+    ``label_key`` and ``data_source_key``."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object with named fields")
     text, chat = row.get(data.prompt_key), row.get(data.messages_key)
@@ -209,9 +226,9 @@ def from_row(row: Any, index: int, where: str, data: PromptSource) -> Prompt:
             f"or {data.where}.messages_key to the dataset's field"
         )
     label = row.get(data.label_key)
-    return Prompt(
-        index, messages, None if label is None else str(label), row.get("data_source", "default")
-    )
+    meta = {"tests": row["tests"]} if "tests" in row else None  # builtin:code_tests's
+    source = str(row.get(data.data_source_key, "default"))  # e.g. the teacher that scores it
+    return Prompt(index, messages, None if label is None else str(label), source, meta)
 
 
 def _is_message(message: Any) -> bool:

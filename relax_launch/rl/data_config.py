@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from relax_launch.config.section import Section
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 
-BUILTIN_DATASETS = ("arithmetic", "format", "word_problems")
+BUILTIN_DATASETS = ("arithmetic", "format", "word_problems", "code")
 
 
 class PromptSource(Section):
@@ -23,11 +23,11 @@ class PromptSource(Section):
 
     dataset: str = Field(
         "builtin:arithmetic",
-        description="builtin:arithmetic / builtin:format, reasoning_gym:TASK[+TASK...] "
-        "(reasoning-gym's procedural tasks, see reasoning_gym), a .jsonl or .parquet file, or a "
-        "directory: an HF datasets save_to_disk directory or a directory of Parquet files (the "
-        "Hub's layout). Rows have a prompt (text) or messages (chat), an optional label and "
-        "data_source.",
+        description="builtin:arithmetic / format / word_problems / code, "
+        "reasoning_gym:TASK[+TASK...] (reasoning-gym's procedural tasks, see reasoning_gym), a "
+        ".jsonl or .parquet file, or a directory: an HF datasets save_to_disk directory or a "
+        "directory of Parquet files (the Hub's layout). Rows have a prompt (text) or messages "
+        "(chat), an optional label and data_source, and tests for builtin:code_tests.",
     )
     reasoning_gym: ReasoningGymConfig | None = Field(
         None,
@@ -43,6 +43,12 @@ class PromptSource(Section):
     )
     label_key: str = Field(
         "label", min_length=1, description="The field holding the label reward functions see."
+    )
+    data_source_key: str = Field(
+        "data_source",
+        min_length=1,
+        description="The field holding a row's data source (reward functions see it; the "
+        "teacher model whose route_keys name it scores the row's samples).",
     )
     seed: int = Field(0, description="Seed of prompt shuffling and built-in task generation.")
 

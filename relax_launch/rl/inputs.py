@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from relax_launch.config import ConfigError
 from relax_launch.rl.agent import load_rollout_function
+from relax_launch.rl.code_config import CodeTestsConfig
+from relax_launch.rl.code_pool import sandbox_problem, tests_problem
 from relax_launch.rl.config import RewardConfig
 from relax_launch.rl.data import Prompt, load_prompts
 from relax_launch.rl.data_config import DataConfig, EvalConfig
+from relax_launch.rl.environment_config import EnvironmentConfig
+from relax_launch.rl.environment_dataset import EnvironmentProblem, environment_prompts
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 from relax_launch.rl.rewards import load_function
 
@@ -18,19 +22,22 @@ def check_inputs(
     reward: RewardConfig,
     evaluation: EvalConfig | None = None,
     rollout_function: str | None = None,
+    environment: EnvironmentConfig | None = None,
 ) -> list[Prompt]:
     """Raise ConfigError naming the field when the data, the eval data, a reward function or
     the rollout function is unusable; returns the training prompts (rank 0 trains on them)."""
     _reasoning_gym_tasks(data, evaluation)
     try:
-        prompts = load_prompts(data)
+        prompts = load_prompts(data) if environment is None else environment_prompts(environment)
+    except EnvironmentProblem as exc:  # the environment's dataset is the prompts
+        raise ConfigError(f"{exc.field}: {exc}", (exc.field,)) from None
     except (ValueError, OSError) as exc:
         raise ConfigError(f"data.dataset: {exc}", ("data.dataset",)) from None
     try:
-        if evaluation is not None:
-            load_prompts(evaluation.data)
+        eval_prompts = load_prompts(evaluation.data) if evaluation is not None else []
     except (ValueError, OSError) as exc:
         raise ConfigError(f"eval.data.dataset: {exc}", ("eval.data.dataset",)) from None
+    _code_sandboxes(reward, [("data", prompts), ("eval.data", eval_prompts)])
     for number, source in enumerate(reward.sources):
         if source.function is None:
             continue
@@ -52,6 +59,31 @@ def check_inputs(
                 ("rollout.function",),
             ) from None
     return prompts
+
+
+def _code_sandboxes(reward: RewardConfig, sections: list[tuple[str, list[Prompt]]]) -> None:
+    """Every builtin:code_tests source: its rows carry tests, its uids are its own, and this
+    machine can start its sandbox (else the source is refused: it never runs unsandboxed)."""
+    taken: dict[int, str] = {}
+    for number, source in enumerate(reward.sources):
+        if source.function != "builtin:code_tests":
+            continue
+        field, code = f"reward.sources[{number}].function", source.code or CodeTestsConfig()
+        for where, prompts in sections:
+            for prompt in prompts:
+                if problem := tests_problem((prompt.meta or {}).get("tests")):
+                    raise ConfigError(
+                        f"{field}: builtin:code_tests: {where}.dataset row {prompt.index} "
+                        f"{problem}",
+                        (field, f"{where}.dataset"),
+                    )
+        for uid in range(code.uid, code.uid + code.concurrency):
+            if uid in taken:
+                where = f"reward.sources[{number}].code.uid"
+                raise ConfigError(f"{where}: uid {uid} is also {taken[uid]}'s", (where,))
+            taken[uid] = source.name
+        if problem := sandbox_problem(code):
+            raise ConfigError(f"{field}: builtin:code_tests is refused: {problem}", (field,))
 
 
 def _reasoning_gym_rows(field: str, data: DataConfig, evaluation: EvalConfig | None) -> None:

@@ -87,6 +87,17 @@ class Coordinator(Protocol):
     def close(self) -> None: ...
 
 
+class CriticMemory(Protocol):
+    """Where the value model's state is within the trainer's turn (``runtime/critic_turns.py``):
+    each method moves what the next moment needs; ``done`` ends the turn, also after a failure."""
+
+    def scoring(self) -> None: ...
+    def policy_training(self) -> None: ...
+    def critic_training(self) -> None: ...
+    def done(self) -> None: ...
+    def take_moved(self) -> dict[str, float]: ...  # bytes by direction since the last call
+
+
 class Job(Protocol):
     """One running job, driven from rank 0 (``runtime.session.Session``)."""
 
@@ -94,6 +105,7 @@ class Job(Protocol):
     console: Console
     stop: Stop
     engines: EngineClients  # the controller's in-process clients of every role's engines
+    critic_turns: CriticMemory | None  # a job with a critic (advantage gae)
 
     def bring_up(self, weight_version: int, log_dir: Path) -> dict[str, Any]: ...
     def train_step(self, batch: TokenBatch, spec: LossSpec | None = None) -> dict[str, float]: ...

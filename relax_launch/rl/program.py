@@ -14,12 +14,14 @@ from relax_launch.models.build import ensure_model
 from relax_launch.notify import Notifier
 from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import load_rollout_function
+from relax_launch.rl.agent_turns import client_factory
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.colocated import Colocated
 from relax_launch.rl.context import PromptFeed, RLContext
 from relax_launch.rl.control import StalenessControl, StepControl
 from relax_launch.rl.data import Prompt, PromptCursor, PromptStream
+from relax_launch.rl.environments import EnvironmentRollout
 from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.exports import PolicyExports
 from relax_launch.rl.interfaces import Job
@@ -94,6 +96,12 @@ def rl_context(
         generator = functools.partial(rollout.generate, routing=routing)
     if job.rollout.function:  # conversations of several turns (rl/agent.py)
         function = load_rollout_function(job.rollout.function)
+        client = client_factory(job.rollout.multi_turn)  # how it is trained: rl/agent_turns.py
+        generator = functools.partial(
+            agent.generate, function=function, tokenizer=tokenizer, client=client
+        )
+    if job.rollout.environment:  # an environment holds the conversations (rl/environments.py)
+        function = EnvironmentRollout(job.rollout.environment, job.log_dir / "environment.log")
         generator = functools.partial(agent.generate, function=function, tokenizer=tokenizer)
     evaluation = None
     if job.eval is not None:
@@ -176,6 +184,7 @@ def continuous_rollout(job: JobConfig, ctx: RLContext, version: int) -> Continuo
         sampling={"temperature": a.temperature},
         max_tokens=job.data.max_response_tokens,
         version=version,
+        client=client_factory(job.rollout.multi_turn),
     )
 
 

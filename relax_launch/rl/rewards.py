@@ -11,7 +11,9 @@ is invalid stops the job with the first error.
 
 ``builtin:math_verify`` and ``builtin:reasoning_gym`` score each sample in a worker process
 (``rl/reward_pool.py``) under the source's ``timeout_s``: a sample over it gets 0 and is
-counted in ``reward/NAME/timeouts``.
+counted in ``reward/NAME/timeouts``. ``builtin:code_tests`` runs each sample's program against
+its row's ``tests`` in a sandbox (``rl/code_pool.py``), one pool per source: its reward is the
+fraction of tests passed (within ``timeout_s``: a sample over it keeps those passed before).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from relax_launch.rl.code_config import CodeTestsConfig
+from relax_launch.rl.code_pool import CodeSandboxPool
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.reward_pool import ScoringPool
 from relax_launch.rl.samples import Sample
@@ -68,6 +72,12 @@ def format_reward(samples: list[Sample]) -> list[float]:
     return out
 
 
+def environment_reward(samples: list[Sample]) -> list[float | None]:
+    """The environment's rubric, computed with its rollout (``rl/environments.py``); a sample
+    whose rollout failed has none."""
+    return [(s.scores or {}).get("environment") for s in samples]
+
+
 def math_verify_call(sample: Sample) -> tuple[str, tuple]:
     """The worker call scoring a sample with math-verify (``rl/math_reward.py``)."""
     return "math_verify", (sample.text, sample.label)
@@ -79,14 +89,22 @@ def reasoning_gym_call(sample: Sample) -> tuple[str, tuple]:
     return "reasoning_gym", (sample.text, sample.data_source, sample.meta)
 
 
+def code_tests_call(sample: Sample) -> tuple[str, tuple]:
+    """The sandbox call running a sample's program against its row's tests
+    (``rl/code_pool.py``)."""
+    return "code_tests", (sample.text, (sample.meta or {}).get("tests"))
+
+
 BUILTINS: dict[str, Callable[[list[Sample]], list[float]]] = {
     "exact_numeric": exact_numeric,
     "format": format_reward,
+    "environment": environment_reward,
 }
 # sample -> (worker kind, args): scored in the pool's worker processes
 POOLED: dict[str, Callable[[Sample], tuple[str, tuple]]] = {
     "math_verify": math_verify_call,
     "reasoning_gym": reasoning_gym_call,
+    "code_tests": code_tests_call,
 }
 POOL_SIZE = min(4, os.cpu_count() or 1)
 
@@ -110,24 +128,34 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 
 class Rewards:
-    """Scores samples with every configured source; for GenRM, ``judge(conversations, regex)``
-    returns the judge's reply to each conversation, decoded under ``regex``."""
+    """Scores samples with every configured source; for GenRM, ``judge(conversations, regex,
+    source)`` returns the judge's reply to each conversation, decoded under ``regex``, from the
+    genrm model whose route_keys name the reward source ``source`` (else the default one)."""
 
     def __init__(
         self,
         config: RewardConfig,
-        judge: Callable[[list[list[dict]], str], list[str]] | None = None,
+        judge: Callable[[list[list[dict]], str, str], list[str]] | None = None,
     ) -> None:
         self.sources = config.sources
         self.functions = {s.name: load_function(s.function) for s in self.sources if s.function}
         self.judge = judge
+        sandboxed = {s.name for s in self.sources if s.function == "builtin:code_tests"}
         # started now, so the workers' imports overlap the engines' first generation
-        self.pool = ScoringPool(POOL_SIZE) if any(s.pooled for s in self.sources) else None
+        workers = any(s.pooled and s.name not in sandboxed for s in self.sources)
+        self.pool = ScoringPool(POOL_SIZE) if workers else None
+        self.sandboxes = {
+            s.name: CodeSandboxPool(s.code or CodeTestsConfig())
+            for s in self.sources
+            if s.name in sandboxed
+        }
 
     def close(self) -> None:
-        """Stop the scoring workers (at the end of the job)."""
+        """Stop the scoring workers and the code sandboxes (at the end of the job)."""
         if self.pool is not None:
             self.pool.close()
+        for sandboxes in self.sandboxes.values():
+            sandboxes.close()
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Write ``rewards``/``reward``/``valid`` on each sample; return per-source metrics."""
@@ -163,7 +191,7 @@ class Rewards:
     ) -> tuple[list[float | None], str | None]:
         try:
             if source.genrm:
-                return self._judge(samples)
+                return self._judge(samples, source.name)
             if source.pooled:
                 return self._pooled(source, samples, timeouts)
             values = self.functions[source.name](samples)
@@ -178,15 +206,17 @@ class Rewards:
     def _pooled(
         self, source: RewardSource, samples: list[Sample], timeouts: dict[str, int]
     ) -> tuple[list[float | None], str | None]:
-        """Each sample in a worker; one over ``timeout_s`` gets 0 and is counted."""
+        """Each sample in a worker or a sandbox; one over ``timeout_s`` is counted and keeps
+        the value it has (a sandbox's tests passed before), else 0."""
         call = self.functions[source.name]
-        outcomes = self.pool.run([call(s) for s in samples], source.timeout_s)
+        pool = self.sandboxes.get(source.name, self.pool)
+        outcomes = pool.run([call(s) for s in samples], source.timeout_s)
         timeouts[source.name] = sum(o.timed_out for o in outcomes)
-        values = [0.0 if o.timed_out else o.value for o in outcomes]
+        values = [(o.value or 0.0) if o.timed_out else o.value for o in outcomes]
         errors = [o.error for o in outcomes if o.error]
         return values, f"reward source {source.name!r}: {errors[0]}" if errors else None
 
-    def _judge(self, samples: list[Sample]) -> tuple[list[float | None], str | None]:
+    def _judge(self, samples: list[Sample], source: str) -> tuple[list[float | None], str | None]:
         if self.judge is None:
             raise RewardError("a genrm reward source needs the genrm role")
         prompts = [
@@ -198,7 +228,7 @@ class Rewards:
         ]
         values: list[float | None] = []
         error = None
-        for reply in self.judge(prompts, JUDGE_SCORE_REGEX):
+        for reply in self.judge(prompts, JUDGE_SCORE_REGEX, source):
             try:
                 values.append(parse_score(f"{JUDGE_PREFILL} {reply}"))
             except ValueError as exc:

@@ -121,7 +121,9 @@ def weight_version_of(meta: dict[str, Any]) -> int | None:
 
 
 def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:
-    """Write the teacher's logprob of every sampled response token onto each sample."""
+    """Write the teacher's logprob of every sampled response token onto each sample, each
+    scored by the teacher model whose route_keys name its data source (else the default)."""
+    route_keys = engines.client("teacher").manager.routing.route_key_map
     calls = []
     scored_samples = [s for s in samples if s.response_ids]
     for s in scored_samples:
@@ -132,6 +134,8 @@ def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:
             "logprob_start_len": len(s.prompt_ids) - 1,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         }
+        if s.data_source in route_keys:  # the teacher of its data source, else the default
+            body["route_key"] = s.data_source
         calls.append(("/generate", body, f"g{s.group}"))
     replies = _gather(engines, "teacher", calls) if calls else []
     for s in samples:
@@ -147,13 +151,21 @@ def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:
 
 
 def judge(
-    engines: EngineClients, conversations: list[list[dict[str, Any]]], regex: str, max_tokens: int
+    engines: EngineClients,
+    conversations: list[list[dict[str, Any]]],
+    regex: str,
+    source: str = "",
+    *,
+    max_tokens: int,
 ) -> list[str]:
     """The GenRM judge's reply to each conversation (the gateway's judge form), greedy and
-    constrained to ``regex`` by the engine's grammar backend."""
+    constrained to ``regex`` by the engine's grammar backend, from the genrm model whose
+    route_keys name the reward source ``source`` (else the role's default model)."""
     sampling = {"temperature": 0.0, "max_new_tokens": max_tokens, "regex": regex}
+    route_keys = engines.client("genrm").manager.routing.route_key_map
+    chosen = {"route_key": source} if source in route_keys else {}
     calls = [
-        ("/generate", {"messages": c, "sampling_params": sampling}, f"j{i}")
+        ("/generate", {"messages": c, "sampling_params": sampling, **chosen}, f"j{i}")
         for i, c in enumerate(conversations)
     ]
     return [r["response"] for r in _gather(engines, "genrm", calls)]

@@ -10,6 +10,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class TurnTokens:
+    """One earlier turn of a conversation trained one sample per turn (``rollout.multi_turn:
+    per_turn``): the context the engine was given and what it produced, with its logprobs."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
 class Sample:
     """A response to one prompt; ``group`` is the prompt's position in the step's batch."""
 
@@ -38,6 +48,10 @@ class Sample:
     conversation: list[dict] | None = None
     turns: int = 1
     outcome: str = ""
+    scores: dict[str, float] | None = None  # rewards its rollout computed (builtin:environment)
+    # one row per turn (rollout.multi_turn: per_turn): the turns before the last, trained as
+    # rows of their own with this sample's advantage; the sample's own tokens are the last turn
+    earlier_turns: list[TurnTokens] | None = None
     # fully asynchronous rollout (rl/async_rollout.py): the weight version of each response
     # token (a generation interrupted by a sync continues with the new weights)
     token_versions: list[int] | None = None

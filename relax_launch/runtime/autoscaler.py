@@ -78,18 +78,8 @@ class Autoscaler:
             **seen,
             **decision.evidence,
         }
-        try:
-            op = self.scaler.request(
-                self.role, decision.direction, decision.target, source="autoscaler"
-            )
-            record["request_id"] = op.request_id
-        except ScaleRefused as exc:
-            record["refused"] = str(exc)
         self.decisions += 1
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("a") as log:
-            log.write(json.dumps(record) + "\n")
-        return record
+        return request_and_log(self.scaler, record, self.log_path)
 
     def metrics(self) -> dict[str, float]:
         out = {f"{self.role}/autoscale_decisions": float(self.decisions)}
@@ -205,3 +195,17 @@ def autoscaler_for(
     (``runtime/autoscale_policy.py`` says why)."""
     kind = PhaseAutoscaler if role == "rollout" else LoadAutoscaler
     return kind(role, section.autoscale, section.autoscale_bounds, scaler, manager, log_path)
+
+
+def request_and_log(scaler: Any, record: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """Ask ``scaler`` for the decision in ``record`` (its role, decision and target), add the
+    operation's id or the refusal, and append the record to ``log_path`` (autoscaler.jsonl)."""
+    try:
+        op = scaler.request(record["role"], record["decision"], record["to"], source="autoscaler")
+        record["request_id"] = op.request_id
+    except ScaleRefused as exc:
+        record["refused"] = str(exc)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+        log.write(json.dumps(record) + "\n")
+    return record

@@ -1,10 +1,18 @@
 """The value model's commands (PPO's critic on the trainer's ranks): the records rank 0 sends,
 the worker that answers them on each trainer rank, and rank 0's typed client. Batches go
 beside the commands over the ``ShardChannel``, as the trainer's do; per-token values come back
-from each DP rank's tp0 rank the way logprobs do."""
+from each DP rank's tp0 rank the way logprobs do.
+
+In a colocated placement the value model lives in host memory between the trainer's turns: it
+is offloaded once built, and rank 0 moves its parts in and out within the turn
+(``runtime/critic_turns.py``, the same ``StateOffloader`` as the policy's). A checkpoint's save
+or load brings the parts it needs back for its own duration."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -12,9 +20,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from relax_launch.models.build import ensure_model
 from relax_launch.runtime.control import Command, Handler
 from relax_launch.runtime.distributed import ShardChannel
-from relax_launch.runtime.trainer_client import TrainerClient
+from relax_launch.runtime.trainer_client import TrainerClient, moved_by_ranks
 from relax_launch.trainer.batch import ShardShape, TokenBatch
 from relax_launch.trainer.critic import Critic
+from relax_launch.trainer.offload import PARTS, StateOffloader
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -49,18 +58,39 @@ class LoadCritic(Command):
     directory: str
 
 
-class CriticWorker:
-    """This trainer rank's share of the value model (``trainer/critic.py``)."""
+@dataclass(frozen=True)
+class OffloadCritic(Command):
+    """Move these parts of the value model's state ("params", "grads", "optimizer") to host
+    memory (``trainer/offload.py``)."""
 
-    def __init__(self, *, critic: Any, shards: ShardChannel) -> None:
+    op: ClassVar[str] = "critic.offload"
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OnloadCritic(Command):
+    op: ClassVar[str] = "critic.onload"
+    parts: tuple[str, ...]
+
+
+class CriticWorker:
+    """This trainer rank's share of the value model (``trainer/critic.py``); ``colocated``: it
+    goes to host memory once built, the engines being about to take the device."""
+
+    def __init__(self, *, critic: Any, shards: ShardChannel, colocated: bool = False) -> None:
         self.critic, self.shards = critic, shards
+        self.offloader = StateOffloader(critic.model, critic.optimizer)
+        if colocated:
+            self.offloader.offload(PARTS)
 
     def handlers(self) -> dict[str, Handler]:
         return {
             CriticValues.op: self.values,
             CriticTrainStep.op: self.train_step,
-            SaveCritic.op: lambda c: self.critic.save(Path(c.directory)),
-            LoadCritic.op: lambda c: self.critic.load(Path(c.directory)),
+            SaveCritic.op: self.save,
+            LoadCritic.op: self.load,
+            OffloadCritic.op: lambda c: self.move("offload", c.parts),
+            OnloadCritic.op: lambda c: self.move("onload", c.parts),
         }
 
     def values(self, command: CriticValues) -> None:
@@ -69,13 +99,39 @@ class CriticWorker:
         shard = self.shards.receive(shape)
         rows = None
         try:
+            self.offloader.require("critic.values", ("params",))
             rows = self.critic.values(shard)
         finally:  # rank 0 waits for them whatever happened
             self.shards.send_result(rows, shape)
 
     def train_step(self, command: CriticTrainStep) -> dict[str, float]:
         shard = self.shards.receive(command.shapes[self.shards.dp_rank])
+        self.offloader.require("critic.train_step", PARTS)
         return self.critic.train_step(shard, command.value_clip)
+
+    def move(self, action: str, parts: Iterable[str]) -> dict[str, float]:
+        """Offload or onload ``parts``: the bytes moved and the seconds it took."""
+        start = time.perf_counter()
+        moved = getattr(self.offloader, action)(parts)
+        return {"bytes": sum(moved.values()), "seconds": time.perf_counter() - start}
+
+    def save(self, command: SaveCritic) -> str | None:
+        with self._resident(("params", "optimizer")):
+            return self.critic.save(Path(command.directory))
+
+    def load(self, command: LoadCritic) -> int:
+        with self._resident(("params", "optimizer")):
+            return self.critic.load(Path(command.directory))
+
+    @contextmanager
+    def _resident(self, parts: tuple[str, ...]) -> Iterator[None]:
+        """``parts`` on the device for the duration; those that were offloaded go back after."""
+        away = tuple(p for p in parts if not self.offloader.resident(p))
+        self.offloader.onload(away)
+        try:
+            yield
+        finally:
+            self.offloader.offload(away)
 
     def close(self) -> None:
         pass
@@ -102,6 +158,14 @@ class CriticClient(TrainerClient):
     def load(self, directory: str) -> int:
         return min(self._call(LoadCritic(directory)).values())
 
+    def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        """Every trainer rank moves these parts of its value model to host memory; the bytes
+        moved (summed over ranks) and the slowest rank's seconds."""
+        return moved_by_ranks(self._call(OffloadCritic(tuple(parts))))
+
+    def onload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        return moved_by_ranks(self._call(OnloadCritic(tuple(parts))))
+
 
 def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> CriticWorker:
     """This trainer rank's share of the value model, built from ``critic.model`` (default the
@@ -110,4 +174,4 @@ def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> Criti
     critic = Critic(
         section=section, model_dir=ensure_model(section.model), pgc=pgc, device=job.cluster.device
     )
-    return CriticWorker(critic=critic, shards=shards)
+    return CriticWorker(critic=critic, shards=shards, colocated=job.placement.mode != "decoupled")

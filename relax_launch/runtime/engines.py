@@ -127,7 +127,7 @@ def engine_worker(
     return EngineWorker(
         engine=engine,
         section=section,
-        dtype=job.engine_dtype(engine.role),
+        dtype=section.engine.get("dtype", job.engine_dtype(engine.role)),  # its model's own
         log_level=job.logging.level,
         model_dir=ensure_model(model),
         device=job.cluster.device,

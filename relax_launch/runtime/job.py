@@ -23,6 +23,7 @@ from relax_launch.placement.plan import PlacementPlan
 from relax_launch.placement.render import roles_label
 from relax_launch.rl.interfaces import JobStopped
 from relax_launch.runtime.control import ControlChannel
+from relax_launch.runtime.critic_turns import critic_mode
 from relax_launch.runtime.critic_worker import build_critic_worker
 from relax_launch.runtime.distributed import (
     ShardChannel,
@@ -119,14 +120,23 @@ def trainer_worker(
 
 def build_control_plane(job: JobConfig, plan: PlacementPlan) -> ControlPlane | None:
     """Rank 0's gateway and role managers (None when the job has no inference role)."""
-    from relax_launch.inference.control_plane import ControlPlane, RoleSpec  # rank 0: FastAPI
+    from relax_launch.inference.control_plane import (  # rank 0: FastAPI
+        ControlPlane,
+        ModelSpec,
+        RoleSpec,
+    )
 
     specs = []
     for role, section in job.inference_roles().items():
         model = job.rollout_model() if role == "rollout" else section.model
-        phase = plan.engines_of(role)[0].phase
+        engines = plan.engines_of(role)
         parked = job.starts_staggered  # its engines come up released (staggered_start.py)
-        specs.append(RoleSpec(role, model, ensure_model(model), section, phase, parked))
+        more = tuple(  # its further models, each with the engines the plan gave it
+            ModelSpec(s, ensure_model(s.model), tuple(e.index for e in engines if e.model == k))
+            for k, s in enumerate(section.model_sections()[1:], 1)
+        )
+        spec = RoleSpec(role, model, ensure_model(model), section, engines[0].phase, parked, more)
+        specs.append(spec)
     if not specs:
         return None
     return ControlPlane(
@@ -262,7 +272,8 @@ def run_controller(
         stop=stop,
         adapters=adapter_serving(job),
         autoscale={r: s for r, s in job.inference_roles().items() if s.autoscale is not None},
-        critic=job.critic is not None,
+        spare_autoscale=job.cluster.spare_autoscale,
+        critic=critic_mode(job, plan),
     )
     adapters = session.weights.adapters is not None
     session.weights.probe = probe_for(job, plan, session.trainer.logprobs, adapters=adapters)

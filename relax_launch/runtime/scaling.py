@@ -30,13 +30,13 @@ from typing import Any
 from relax_launch.console import operator_log
 from relax_launch.deadline import Deadline
 from relax_launch.inference.engine import EngineHandle, get_json
-from relax_launch.inference.engine_load import engine_load
+from relax_launch.inference.engine_load import idle
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
+from relax_launch.runtime import scale_admission as admission
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command
 from relax_launch.runtime.rank_commands import StartEngine, StopEngine
-from relax_launch.runtime.scale_admission import check_request, check_target
 from relax_launch.runtime.scale_records import (
     Cancelled,
     Replica,
@@ -173,11 +173,16 @@ class EngineScaler:
             if handle is not None:
                 state = state_of(manager, handle)
             state = moving.get(engine.index, state) if state != "serving" else state
+            if engine.pool and state == "reserved":  # whose the pool's ranks are now
+                state = (
+                    f"spare pool, held by {held}" if (held := self.holder(engine)) else "spare pool"
+                )
             out.append(
                 {
                     "index": engine.index,
                     "engine_id": f"{manager.model_id}/{engine.index}",
                     "reserved": engine.reserved,
+                    "pool": engine.pool,
                     "ranks": list(engine.ranks),
                     "state": state,
                     "url": handle.url if handle is not None else None,
@@ -227,18 +232,25 @@ class EngineScaler:
         if role not in self.roles:
             raise ScaleRefused(400, f"{role} has no reserved engines: set {role}.max_engines")
         active = self.active.get(role)
-        check_request(role, self.managers[role], kind, target, model, timeout_s, active)
-        check_target(role, kind, target, self.count(role), self.bounds(role))
+        admission.check_request(role, self.managers[role], kind, target, model, timeout_s, active)
+        admission.check_target(role, kind, target, self.count(role), self.bounds(role))
+        if kind == "scale_out":  # on the spare pool, another role may hold the ranks
+            free, held = self._picks(role, kind, target), map(self.holder, self.roles[role])
+            admission.check_pool_room(role, len(free), target - self.count(role), held)
 
     def _picks(self, role: str, kind: str, target: int) -> list[EnginePlan]:
         """The reserved engines to start (lowest first), or the scaled-out ones to stop
         (newest first)."""
         reserved = [e for e in self.roles[role] if e.reserved]
         if kind == "scale_out":
-            idle = [e for e in reserved if e.index not in self.running[role]]
-            return idle[: target - self.count(role)]
+            free = [e for e in reserved if e.index not in self.running[role] and not self.holder(e)]
+            return free[: target - self.count(role)]
         started = [e for e in reversed(reserved) if e.index in self.running[role]]
         return started[: self.count(role) - target]
+
+    def holder(self, engine: EnginePlan) -> str | None:
+        """The engine of another role on ``engine``'s ranks (the shared spare pool's)."""
+        return admission.pool_holder(engine, self.roles, self.running, self.managers)
 
     def _default_timeout(self, role: str, kind: str) -> float:
         if kind == "scale_in":  # what is left at the bound is generated again elsewhere
@@ -371,7 +383,7 @@ class EngineScaler:
         began = time.monotonic()
         url = next((e.url for e in manager.engines if e.engine_id == replica.engine_id), None)
         while not deadline.passed:
-            if manager.requests.in_flight(replica.engine_id) == 0 and _idle(url):
+            if manager.requests.in_flight(replica.engine_id) == 0 and idle(url):
                 break
             time.sleep(POLL_S)
         replica.rerouted = manager.requests.in_flight(replica.engine_id)
@@ -384,12 +396,3 @@ class EngineScaler:
         if replica.state != "failed":
             replica.state = "stopped"
             replica.error = why
-
-
-def _idle(url: str | None) -> bool:
-    """Whether the engine reports no request queued or running (unreadable: take it as idle,
-    the in-flight count decides)."""
-    if url is None:
-        return True
-    load = engine_load(url)
-    return load is None or load.queued + load.running == 0

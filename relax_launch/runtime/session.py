@@ -21,9 +21,11 @@ from relax_launch.rl.interfaces import RolloutWork
 from relax_launch.runtime.autoscaler import Autoscaler, PhaseAutoscaler, autoscaler_for
 from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.control import Command, ControlChannel, Handler, Shutdown
+from relax_launch.runtime.critic_turns import CriticMode, CriticTurns
 from relax_launch.runtime.critic_worker import CriticClient
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
+from relax_launch.runtime.pool_autoscaler import PoolAutoscaler
 from relax_launch.runtime.rank_commands import EngineUrl
 from relax_launch.runtime.scaling import EngineScaler
 from relax_launch.runtime.startup import (
@@ -45,6 +47,7 @@ from relax_launch.trainer.losses import LossSpec
 if TYPE_CHECKING:
     from relax_launch.inference.control_plane import ControlPlane
     from relax_launch.inference.inprocess import EngineClients
+    from relax_launch.placement.config import SpareAutoscaleConfig
 
 
 class Session:
@@ -65,7 +68,8 @@ class Session:
         stop: StopRequest | None = None,
         adapters: AdapterServing | None = None,
         autoscale: dict[str, InferenceRoleConfig] | None = None,
-        critic: bool = False,
+        critic: CriticMode | None = None,
+        spare_autoscale: SpareAutoscaleConfig | None = None,
     ) -> None:
         self.plan, self.channel, self.local = plan, channel, handlers
         self.stop = stop or StopRequest(0, Path("."))  # a test's session: never asked to stop
@@ -74,8 +78,8 @@ class Session:
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
         self.engine_urls: dict[str, list[str]] = {}
         self.trainer = TrainerClient(channel, shards, plan.trainer, handlers)
-        # PPO's value model on the trainer's ranks (runtime/critic_worker.py); None: no critic
         self.critic = CriticClient(channel, shards, plan.trainer, handlers) if critic else None
+        self.critic_turns = CriticTurns(self.trainer, self.critic, critic) if critic else None
         rollout = control_plane.managers.get("rollout") if control_plane else None
         self.weights = WeightSync(
             plan,
@@ -86,14 +90,15 @@ class Session:
             weight_sync_timeout_s,
             adapters,
         )
-        self.scaler, self.autoscalers = self._elastic(autoscale or {})
+        self.scaler, self.autoscalers = self._elastic(autoscale or {}, spare_autoscale)
         managers = control_plane.managers if control_plane else {}
         self.static_roles = StaticMembership.started(channel.store, managers)  # fault_tolerance
 
     def _elastic(
-        self, autoscale: dict[str, InferenceRoleConfig]
-    ) -> tuple[EngineScaler | None, list[Autoscaler]]:
-        """Rank 0's scaler of the roles with reserved engines, and their autoscalers."""
+        self, autoscale: dict[str, InferenceRoleConfig], spare: SpareAutoscaleConfig | None
+    ) -> tuple[EngineScaler | None, list[Autoscaler | PoolAutoscaler]]:
+        """Rank 0's scaler of the roles with reserved engines, and their autoscalers (the
+        shared spare pool's among them)."""
         plane = self.control_plane
         if plane is None or not any(e.reserved for e in self.plan.engines):
             return None, []
@@ -108,10 +113,12 @@ class Session:
         )
         plane.scaled_by(scaler)
         log = plane.log_dir / "autoscaler.jsonl"
-        autoscalers = [
+        autoscalers: list[Autoscaler | PoolAutoscaler] = [
             autoscaler_for(role, section, scaler, plane.managers[role], log)
             for role, section in autoscale.items()
         ]
+        if spare is not None:
+            autoscalers.append(PoolAutoscaler(spare, scaler, plane.managers, log))
         for autoscaler in autoscalers:
             autoscaler.start()
         return scaler, autoscalers
@@ -186,7 +193,7 @@ class Session:
     def rollout_phase(self, requests: int) -> AbstractContextManager[RolloutWork]:
         """Around one rollout phase: the rollout autoscaler decides when it ends."""
         for autoscaler in self.autoscalers:
-            if isinstance(autoscaler, PhaseAutoscaler):
+            if isinstance(autoscaler, PhaseAutoscaler | PoolAutoscaler):
                 return autoscaler.phase(requests)
         return nullcontext(RolloutWork(requests))
 

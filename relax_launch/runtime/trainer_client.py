@@ -83,11 +83,11 @@ class TrainerClient:
     def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
         """Every trainer rank moves these parts of its state ("params", "grads", "optimizer") to
         host memory; returns the bytes moved (summed over ranks) and the slowest rank's seconds."""
-        return _moved(self._call(OffloadTrainer(tuple(parts))))
+        return moved_by_ranks(self._call(OffloadTrainer(tuple(parts))))
 
     def onload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
         """Every trainer rank brings these offloaded parts back; same reply as ``offload``."""
-        return _moved(self._call(OnloadTrainer(tuple(parts))))
+        return moved_by_ranks(self._call(OnloadTrainer(tuple(parts))))
 
     def _call(self, command: Command) -> dict[int, Any]:
         return self.channel.call(command, self.layout.ranks, self.local.get(command.route))
@@ -105,7 +105,7 @@ class TrainerClient:
         return self.layout.pp_stage_source(self.layout.pp_size - 1)
 
 
-def _moved(replies: dict[int, dict[str, float]]) -> dict[str, float]:
+def moved_by_ranks(replies: dict[int, dict[str, float]]) -> dict[str, float]:
     """Trainer ranks' offload/onload replies as one: bytes summed, seconds of the slowest."""
     return {
         "bytes": sum(r["bytes"] for r in replies.values()),

@@ -84,6 +84,12 @@ def positions_of(ids: torch.Tensor, cp: Any) -> Positions:
     return Positions(ids, None)
 
 
+def set_positions(positions: Positions) -> None:
+    """The positions ``CoreAttention`` attends by in the forward being computed (a model that
+    derives them itself: the vision-language model's, from its multimodal positions)."""
+    _POSITIONS.set(positions)
+
+
 def use_position_ids(model: Any) -> None:
     """Make ``model`` (a GPTModel with ``CoreAttention``) rotate and attend by the position ids
     given to its forward."""

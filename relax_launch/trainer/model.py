@@ -83,9 +83,6 @@ def transformer_config(shape: ModelShape, section: TrainerConfig) -> Any:
         # micro-batches differ in shape (token budgets, packed rows): stages exchange shapes
         variable_seq_lengths=section.pp_size > 1,
         moe_token_dispatcher_type="alltoall",  # the one that takes them (a dense model: inert)
-        # The 'native' fused loss takes pg_collection.tp; the unfused one reads global groups.
-        cross_entropy_loss_fusion=True,
-        cross_entropy_fusion_impl="native",
         **(moe_config(shape, section) if shape.moe is not None else {}),
         **recompute_config(section.recompute),
     )
@@ -172,6 +169,8 @@ def build_gpt_module(
     )
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
+    from relax_launch.trainer.cross_entropy import use_exact_cross_entropy
+
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention scratch space; no collectives
         parallel_state._set_global_memory_buffer()
     config = transformer_config(shape, section)
@@ -199,6 +198,7 @@ def build_gpt_module(
     if shape.rope_type != "default":
         model.rotary_pos_emb.inv_freq = scaled_rope_frequencies(model_dir)
     use_position_ids(model)
+    use_exact_cross_entropy(model)  # the labels' loss: trainer/cross_entropy.py
     if config.recompute_granularity is not None:
         install_recompute()  # recomputes in its forward's context (positions, routing)
     return model.to(device)  # built on the CPU (use_cpu_initialization)
@@ -268,6 +268,12 @@ def load_hf_checkpoint(module: Any, model_dir: Path, shape: ModelShape, pgc: Any
         ep_size=pgc.ep.size() if shape.moe is not None else 1,
     )
     params = {k: v for k, v in module.named_parameters() if not is_adapter(k)}
+    copy_shard(shard, params, model_dir)
+
+
+def copy_shard(shard: dict[str, torch.Tensor], params: dict[str, Any], model_dir: Path) -> None:
+    """Copy a converted checkpoint shard into the model's parameters of the same names, refusing
+    a shard that does not fit them name for name."""
     missing = sorted(set(params) - set(shard))
     unexpected = sorted(set(shard) - set(params))
     if missing or unexpected:

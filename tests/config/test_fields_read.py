@@ -52,9 +52,12 @@ READERS: dict[str, tuple[str, ...]] = {
         "runtime/job.py",
         "runtime/engines.py",
         "placement/memory_plan.py",
+        "placement/device_memory.py",
         "commands/restarts.py",
         "config/rules.py",
+        "placement/spare_pool.py",
     ),
+    "cluster.spare_autoscale": ("runtime/pool_autoscaler.py",),
     "placement": ("placement/planner.py", "rl/program.py", "config/job.py"),
     "trainer": (
         "placement/planner.py",
@@ -75,6 +78,7 @@ READERS: dict[str, tuple[str, ...]] = {
         "config/critic_rules.py",
         "rl/critic_step.py",
         "runtime/critic_worker.py",
+        "placement/critic_memory.py",
     ),
     "algorithm.control": ("rl/control.py", "rl/program.py", "rl/config.py"),
     "data": ("rl/data.py", "rl/context.py", "rl/program.py", "placement/planner.py"),
@@ -84,6 +88,7 @@ READERS: dict[str, tuple[str, ...]] = {
     "eval.data.reasoning_gym": ("rl/data.py", "rl/reasoning_gym_config.py"),
     "eval.sampling": ("rl/evaluation.py",),
     "reward": ("rl/rewards.py", "rl/inputs.py"),
+    "reward.sources.code": ("rl/code_pool.py", "rl/inputs.py"),
     "checkpoint": ("rl/program.py", "commands/launcher.py", "rl/exports.py"),
     "checkpoint.export_hf": ("rl/exports.py", "config/job.py"),
     "trainer.lora": (
@@ -94,6 +99,11 @@ READERS: dict[str, tuple[str, ...]] = {
         "runtime/workers.py",
     ),
     "rollout.autoscale": AUTOSCALE_READERS,
+    "rollout.environment": (
+        "rl/environments.py",
+        "rl/environment_dataset.py",
+        "config/environment_rules.py",
+    ),
     "teacher.autoscale": AUTOSCALE_READERS,
     "genrm.autoscale": AUTOSCALE_READERS,
     "logging": (

@@ -12,9 +12,9 @@ import pytest
 
 from relax_launch.config import ConfigError, load_config
 from relax_launch.placement import plan, preflight
+from relax_launch.placement.device_memory import check_device
 from relax_launch.placement.memory_plan import (
     GB,
-    check_device,
     check_memory,
     memory_plan,
     planned_fraction,

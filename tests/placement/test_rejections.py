@@ -300,6 +300,10 @@ CASES = {
         ["trainer.model=builtin:gpt-9"],
         ["'builtin:gpt-9' is not a builtin model"],
     ),
+    "vision-language model as the policy": (
+        ["trainer.model=builtin:tiny-qwen2.5-vl"],
+        ["vision-language models are not trained by RL jobs yet"],
+    ),
     "model directory missing": (
         ["trainer.model=/nonexistent/model"],
         ["trainer.model='/nonexistent/model' has no readable config.json"],

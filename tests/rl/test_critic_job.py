@@ -1,12 +1,15 @@
-"""PPO with a learned value model in a real job (``tests/rl/critic_tiny.yaml``): the critic on
+"""PPO with a learned value model in real jobs (``tests/rl/critic_tiny.yaml``): the critic on
 the trainer's ranks scores each batch, GAE advantages train the policy, the value loss falls,
 explained variance is reported, checkpoints hold the critic and a resumed job continues with
-it (the exact continuation of a resumed critic: tests/trainer/test_critic_cpu.py)."""
+it. In ``defer`` placement the critic is swapped in and out within the trainer's turn, and a job
+resumed from a checkpoint replays the next step exactly (the critic alone, resumed exactly:
+tests/trainer/test_critic_cpu.py)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from test_rl_job import run_tiny
 
 from relax_launch.commands.export import export_checkpoint
 
-pytestmark = pytest.mark.slow  # two real jobs, about a minute each
+pytestmark = pytest.mark.slow  # real jobs, about a minute each
 CONFIG = Path(__file__).parent / "critic_tiny.yaml"
 
 
@@ -54,3 +57,47 @@ def test_ppo_with_a_critic_trains_and_resumes(tmp_path):
     ours = load_file(str(offline / "model.safetensors"))
     theirs = load_file(str(tmp_path / "hf" / "step_000006" / "model.safetensors"))
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+# defer on 2 ranks: the trainer (DP 2) and the critic on both, the rollout engine on rank 0 in
+# its own phase; the critic swapped with the policy's optimizer state within the trainer's turn.
+# Near-greedy sampling so a step replayed after a resume draws the same tokens.
+DEFER = [
+    "placement.mode=defer",
+    "trainer.ranks=null",
+    "cluster.nproc_per_node=2",
+    "critic.offload=swap",
+    "algorithm.temperature=0.001",
+]
+
+
+def test_a_colocated_critic_swaps_within_the_trainers_turn_and_resumes_exactly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = [f"logging.dir={tmp_path}", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1"]
+    first = run_tiny(CONFIG, *common, *DEFER)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 5
+    # the critic's Adam state is born in its first step: it leaves with the rest
+    assert steps[0]["memory/critic_offloaded_gb"] > steps[0]["memory/critic_onloaded_gb"] > 0
+    for s in steps:
+        # the critic came in (parameters to score, everything to train) and went out again;
+        # the policy's gradients and optimizer state went out for the critic's step and back
+        assert s["memory/policy_swapped_out_gb"] == s["memory/policy_swapped_in_gb"] > 0, s
+    for s in steps[1:]:
+        assert s["memory/critic_onloaded_gb"] == s["memory/critic_offloaded_gb"] > 0, s
+        assert math.isfinite(s["critic/explained_variance"]) and s["critic/grad_norm"] > 0
+    losses = [s["critic/value_loss"] for s in steps]
+    assert (losses[-1] + losses[-2]) / 2 < 0.6 * losses[0], losses
+    assert abs(steps[-1]["critic/value_mean"] - steps[-1]["reward"]) < abs(
+        steps[0]["critic/value_mean"] - steps[0]["reward"]
+    )
+
+    # resume from step 4 (the newest checkpoint removed): step 5 again, the same to the bit
+    shutil.rmtree(ckpt / "step_000005")
+    second = run_tiny(CONFIG, *common, *DEFER, "--resume")
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    again = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in again] == [1, 2, 3, 4, 5]
+    same = ["reward", "loss", "grad_norm", *(k for k in steps[4] if k.startswith("critic/"))]
+    assert {k: again[4][k] for k in same} == {k: steps[4][k] for k in same}

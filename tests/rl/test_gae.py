@@ -87,11 +87,24 @@ def test_gae_leaves_the_group_estimator_out():
     assert [s.advantage for s in samples] == [0.0, 0.0]
 
 
+class RecordingTurns:
+    """The critic's memory moments, recorded in the job's calls (runtime/critic_turns.py)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattr__(self, moment):
+        if moment == "take_moved":
+            return lambda: {"critic_onloaded": 2e9}
+        return lambda: self.calls.append((moment,))
+
+
 class RecordingJob:
     """The Job's critic and trainer calls, recorded (the real ones: tests/rl/test_critic_job.py)."""
 
     def __init__(self, values):
         self.values, self.calls = values, []
+        self.critic_turns = RecordingTurns(self.calls)
 
     def critic_values(self, batch):
         self.calls.append(("values", batch))
@@ -115,15 +128,26 @@ def test_the_step_scores_values_trains_the_policy_then_the_critic():
     ctx = SimpleNamespace(job=job, algorithm=algorithm, critic=critic)
     batch = to_batch(samples, 0.0)
     metrics = train_with_critic(ctx, samples, batch, LossSpec())
-    assert [c[0] for c in job.calls] == ["values", "policy", "critic"]
+    assert [c[0] for c in job.calls if len(c) > 1] == ["values", "policy", "critic"]
+    # the critic's memory moves before each moment, and the turn ends with done
+    assert [c[0] for c in job.calls] == [
+        "scoring",
+        "values",
+        "policy_training",
+        "policy",
+        "critic_training",
+        "critic",
+        "done",
+    ]
+    assert metrics["memory/critic_onloaded_gb"] == 2.0
     # lam = gamma = 1: A = R - V on the trained tokens (the invalid sample is not trained on)
     raw = [0.5, 0.8, 1.1, -0.1, -0.1, -0.1]
     mean = sum(raw) / 6
     std = (sum((a - mean) ** 2 for a in raw) / 6) ** 0.5
-    policy = job.calls[1][1]
+    policy = job.calls[3][1]
     assert policy.token_weights[0] == approx([0, 0, *((a - mean) / std for a in raw[:3])], 1e-5)
     assert policy.token_weights[2] == (0.0,) * 5
-    _, trained, clip = job.calls[2]
+    _, trained, clip = job.calls[5]
     assert clip == 0.2 and trained.tokens == batch.tokens
     assert trained.token_weights[0] == approx([0, 0, 1.0, 1.0, 1.0])  # returns R
     assert trained.old_logprobs[0] == approx([0, 9.0, 0.5, 0.2, -0.1])  # V_old
@@ -149,7 +173,7 @@ RAW = {
         (["critic=null"], "advantage_estimator=gae needs a value model"),
         (["algorithm.advantage_estimator=grpo"], "which algorithm.advantage_estimator=grpo"),
         (["critic=null", "algorithm.advantage_estimator=grpo", "algorithm.lam=0.9"], "GAE's"),
-        (["placement.mode=split"], "placement.mode=split is not supported yet"),
+        (["critic.offload=swap"], "critic.offload=swap acts in a colocated placement"),
         (["critic.ranks=own"], "critic.ranks=own"),
         (["critic.tp_size=2"], "critic.tp_size=2 differs from trainer.tp_size=1"),
         (["critic.micro_batch_size=3"], "make the step a multiple of 3"),
@@ -168,3 +192,20 @@ def test_a_critic_on_the_trainer_layout_is_accepted_and_built_from_the_policy():
     assert section.model == "m" and section.lr == 1e-5 and section.micro_batch_size == 2
     assert section.lora is None and not section.distributed_optimizer
     assert job.algorithm.gamma == 1.0 and job.algorithm.lam == 0.95
+
+
+@pytest.mark.parametrize("mode", ["split", "defer"])
+def test_a_critic_is_accepted_in_colocated_placement(mode):
+    job = build_config(RAW, [f"placement.mode={mode}", "trainer.ranks=null", "critic.offload=swap"])
+    assert job.placement.mode == mode and job.critic.offload == "swap"
+
+
+def test_a_failed_step_still_ends_the_critics_turn():
+    job = RecordingJob([[9.0, 0.5, 0.2, -0.1]])
+    job.train_step = lambda batch, spec: (_ for _ in ()).throw(RuntimeError("policy failed"))
+    ctx = SimpleNamespace(
+        job=job, algorithm=SimpleNamespace(gamma=1.0, lam=1.0), critic=SimpleNamespace()
+    )
+    with pytest.raises(RuntimeError, match="policy failed"):
+        train_with_critic(ctx, [sample(1.0)], to_batch([sample(1.0)], 0.0), LossSpec())
+    assert [c[0] for c in job.calls] == ["scoring", "values", "policy_training", "done"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from prometheus_text import total
+from harness.prometheus_text import total
 
 from relax_launch.inference.config import GatewayConfig, GenRMConfig
 from relax_launch.inference.control_plane import ControlPlane, RoleSpec

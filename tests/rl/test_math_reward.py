@@ -14,10 +14,10 @@ import time
 
 import psutil
 import pytest
+from harness.stop_signal import abandoned_after
 
 from relax_launch.deadline import wait_until
 from relax_launch.rl.config import RewardConfig
-from relax_launch.rl.interfaces import StepAbandoned
 from relax_launch.rl.reward_pool import ScoringPool
 from relax_launch.rl.rewards import RewardError, Rewards
 from relax_launch.rl.samples import Sample
@@ -150,20 +150,8 @@ def test_a_stop_abandons_the_scoring_at_once_and_the_pool_stays_usable(own_rewar
     reply is late is replaced, so the next step's calls get their own answers."""
     rewards = own_rewards
     rewards.score([sample(r"\boxed{1}", "1")] * 2)  # the workers are up
-
-    def stop(signum, frame):
-        raise StepAbandoned("test")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
-        start = time.monotonic()
-        with pytest.raises(StepAbandoned):
-            rewards.score([sample(HANGS, "1"), sample(HANGS, "1")])
-        assert time.monotonic() - start < LIMIT_S  # not the limit: at once
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with abandoned_after(0.5, within_s=LIMIT_S):  # not the limit: at once
+        rewards.score([sample(HANGS, "1"), sample(HANGS, "1")])
     assert not any(w.call for w in rewards.pool.workers)
     after = [sample(rf"\boxed{{{n}}}", str(n)) for n in (5, 6)]
     rewards.score(after)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_text import total
+from harness.prometheus_text import total
 
 pytestmark = pytest.mark.e2e
 CONFIG = Path(__file__).parent / "three_roles_off_policy_tiny.yaml"

@@ -253,14 +253,15 @@ def test_failing_reward_functions_mark_samples_invalid_and_count_them():
 
 def test_judge_scores_are_parsed_and_unparseable_replies_counted():
     replies = iter([["Score: 8", "I think it is fine", "score=15"]])
-    rewards = Rewards(config({"name": "judge", "genrm": True}), judge=lambda p, r: next(replies))
+    rewards = Rewards(config({"name": "judge", "genrm": True}), judge=lambda p, r, s: next(replies))
     samples = [sample("a"), sample("b"), sample("c")]
     metrics = rewards.score(samples)
     assert [s.rewards.get("judge") for s in samples] == [0.8, None, 1.0]
     assert metrics["reward/judge/failed"] == 1 and not samples[1].valid
     assert parse_score("Final. SCORE: 3.5") == 0.35
     with_fallback = Rewards(
-        config({"name": "judge", "genrm": True, "fallback": 0.0}), judge=lambda p, r: ["?"] * len(p)
+        config({"name": "judge", "genrm": True, "fallback": 0.0}),
+        judge=lambda p, r, s: ["?"] * len(p),
     )
     samples = [sample("a")]
     assert with_fallback.score(samples)["reward/judge/failed"] == 1
@@ -272,7 +273,7 @@ def test_judge_scores_are_parsed_and_unparseable_replies_counted():
 def test_judge_reply_is_prefilled_so_a_bare_number_scores():
     asked = []
 
-    def judge(prompts, regex):
+    def judge(prompts, regex, source):
         asked.extend((p, regex) for p in prompts)
         return ["7", " 10.", "Score: 4"]
 

@@ -76,7 +76,7 @@ def genrm_manager() -> InferenceManager:
 @pytest.fixture
 def scaler(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "get_json", lambda url, path, timeout_s: {})  # healthy
-    monkeypatch.setattr(scaling, "engine_load", lambda url: EngineLoad(0, 0, 0))  # idle
+    monkeypatch.setattr(scaling, "idle", lambda url: True)  # the engines report no load
     manager, ranks = genrm_manager(), Ranks()
     made = scaling.EngineScaler(
         plan=plan(build_config(JOB)),

@@ -98,7 +98,7 @@ def client_of(manager: InferenceManager, session: object) -> EngineClient:
         resolver=RouteResolver(),
         timeout_s=5,
         metrics=ControllerMetrics(),
-        render=lambda messages, kwargs: "judge this",  # the genrm role's chat template
+        renderers={"genrm": lambda messages, kwargs: "judge this"},  # its chat template
         probe=probe,
     )
     client.session = session

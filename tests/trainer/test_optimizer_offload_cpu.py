@@ -17,7 +17,9 @@ from torchrun_worker import run_worker
 
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("optimizer_offload_worker.py")
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-3}  # a bf16 weight may round the other way
+# Adam's normalised update (m / (sqrt(v) + eps)) turns rounding differences in gradients near
+# eps into update differences far above float rounding; a wrong step moves a weight by ~lr (1e-2).
+TOLERANCE = {"float32": 5e-5, "bfloat16": 1e-3}  # a bf16 weight may round the other way
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
 """Import stand-in for torchvision, used only with device cpu.
 
 PyPI's torchvision does not load beside the CPU torch wheel, and SGLang imports it at config
-time for multimodal models we do not serve. Any use raises.
+time for multimodal models, and transformers' auto classes import its video processors (type
+hints ``X | InterpolationMode``). Images go through the PIL image processors; any use raises.
 """
 
 import importlib.abc
 import importlib.machinery
 import sys
 import types
+import typing
 
 __version__ = "0.28.0"  # transformers parses this
 
@@ -24,6 +26,11 @@ class _Missing:
 
     def __mro_entries__(self, bases):
         return (object,)
+
+    def __or__(self, other):  # in a type hint, ``PILImageResampling | InterpolationMode``
+        return typing.Any
+
+    __ror__ = __or__
 
 
 def __getattr__(name):

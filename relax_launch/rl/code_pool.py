@@ -1,0 +1,231 @@
+"""The sandboxes of ``builtin:code_tests``: each sample's program runs against its row's tests
+in a sandbox of its own (``rl/sandbox_init.py``: namespaces without network, a read-only
+filesystem but a small tmpfs, limits, an unprivileged uid), ``concurrency`` at once. Rank 0
+waits on their result pipes with ``select`` (the GIL released: the gateway's and the other
+threads' work goes on), bounded by the earliest wall-time deadline in flight; a sandbox over
+``timeout_s`` is killed by PID and process group (its PID namespace dies with it) and keeps
+the tests it passed before. Reward = tests passed / tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relax_launch.deadline import Deadline, wait_until
+from relax_launch.processes import group_alive
+from relax_launch.rl.code_config import CODE_PATTERN, CodeTestsConfig
+from relax_launch.rl.reward_pool import TURN_TIMEOUT_S, Outcome
+
+INIT = Path(__file__).with_name("sandbox_init.py")
+NAMESPACES = ["--net", "--pid", "--mount-proc", "--fork", "--kill-child"]
+RESULT_BYTES = 1 << 20  # what a sandbox may send back; past it the rest is not read
+STOP_TIMEOUT_S = 10.0  # a killed namespace is gone in milliseconds
+
+
+def program(response: str, pattern: str) -> str | None:
+    """The last match's first group of ``pattern`` in the response; None when none."""
+    matches = list(re.finditer(pattern, response, re.DOTALL))
+    return matches[-1].group(1) if matches else None
+
+
+def tests_problem(tests: Any) -> str | None:
+    """What is wrong with a row's ``tests``; None when they can run."""
+    if not isinstance(tests, list | tuple) or not tests:
+        return "needs a non-empty 'tests' list (assert statements or {input, output} objects)"
+    for number, test in enumerate(tests):
+        io_test = isinstance(test, dict) and isinstance(test.get("output"), str)
+        if not (isinstance(test, str) or io_test) or (io_test and set(test) - {"input", "output"}):
+            return f"tests[{number}] is neither a string nor an {{input, output}} object"
+    return None
+
+
+@dataclass
+class Sandbox:
+    """One running sandbox and what it reported so far."""
+
+    index: int
+    tests: int
+    slot: int
+    process: subprocess.Popen
+    fd: int
+    workdir: Path
+    deadline: Deadline
+    buffer: bytearray = field(default_factory=bytearray)
+    passed: set[int] = field(default_factory=set)
+    error: str | None = None
+    log: str = ""  # the end of unshare's and the init's stderr
+
+    def read(self) -> bool:
+        """Take what arrived; False once every holder of the pipe closed it (it ended)."""
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        if len(self.buffer) < RESULT_BYTES:
+            self.buffer += chunk
+        *lines, rest = self.buffer.split(b"\n")
+        self.buffer = bytearray(rest)
+        for line in lines:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                result = json.loads(line)
+                self.error = self.error or result.get("error")
+                if result.get("passed") is True and 0 <= result["test"] < self.tests:
+                    self.passed.add(result["test"])
+        return chunk != b""
+
+    def stop(self) -> None:
+        """SIGKILL ``unshare`` and its process group (its ``--kill-child`` takes the PID
+        namespace down), reap it, remove its directory. The namespace's init, in the group,
+        dies only once the kernel has killed every process of its namespace: the wait for the
+        group is the wait for the whole sandbox."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        wait_until(lambda: not group_alive(self.process.pid), STOP_TIMEOUT_S, interval_s=0.01)
+        with contextlib.suppress(OSError):
+            self.log = (self.workdir / "stderr").read_bytes()[-2000:].decode(errors="replace")
+        os.close(self.fd)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def outcome(self, timed_out: bool) -> Outcome:
+        # its init exits 0 whatever the program did; else the sandbox itself failed
+        if not timed_out and self.error is None and self.process.returncode != 0:
+            self.error = f"the sandbox exited with {self.process.returncode}: {self.log.strip()}"
+        if self.error is not None:
+            return Outcome(error=f"builtin:code_tests: {self.error}")
+        return Outcome(value=len(self.passed) / self.tests, timed_out=timed_out)
+
+
+class CodeSandboxPool:
+    """Runs ``("code_tests", (response, tests))`` calls, ``config.concurrency`` at once; the
+    same ``run`` as ``rl/reward_pool.ScoringPool``. ``scratch``: where each sandbox's job file
+    and log are written (removed with the sandbox)."""
+
+    def __init__(self, config: CodeTestsConfig, scratch: str | None = None) -> None:
+        self.config = config
+        self.scratch = scratch or tempfile.gettempdir()
+        self.turn = threading.Lock()  # one caller at a time: the uids are the pool's
+        self.running: list[Sandbox] = []
+        self.closed = False
+
+    def run(self, calls: list[tuple[str, tuple]], timeout_s: float) -> list[Outcome]:
+        """Each call's outcome, in order; each sandbox ends within ``timeout_s`` of its start."""
+        outcomes = [Outcome() for _ in calls]
+        if not self.turn.acquire(timeout=TURN_TIMEOUT_S):
+            raise RuntimeError(f"the code sandboxes were busy for {TURN_TIMEOUT_S:.0f} s")
+        try:
+            self._run(calls, timeout_s, outcomes)
+            return outcomes
+        finally:
+            for sandbox in self.running:  # interrupted (a stop abandons the step), or closed
+                sandbox.stop()
+            self.running = []
+            self.turn.release()
+
+    def _run(self, calls: list[tuple[str, tuple]], timeout_s: float, out: list[Outcome]) -> None:
+        pending = deque()
+        for index, (_, (response, tests)) in enumerate(calls):
+            source = program(response, self.config.code_pattern)
+            if problem := tests_problem(tests):
+                out[index].error = f"builtin:code_tests: the row {problem}"
+            elif source is None:
+                out[index].value = 0.0  # no program in the response
+            else:
+                pending.append((index, source, list(tests)))
+        free = deque(range(self.config.concurrency))
+        while pending or self.running:
+            if self.closed:
+                raise RuntimeError("the code sandboxes are closed")
+            while pending and free:
+                self.running.append(self._start(*pending.popleft(), free.popleft(), timeout_s))
+            left = min(s.deadline.left() for s in self.running)
+            select.select([s.fd for s in self.running], [], [], left)
+            for sandbox in list(self.running):
+                ended = not sandbox.read()
+                if ended or sandbox.deadline.passed:
+                    self.running.remove(sandbox)
+                    sandbox.stop()
+                    free.append(sandbox.slot)
+                    out[sandbox.index] = sandbox.outcome(timed_out=not ended)
+
+    def _start(self, index: int, source: str, tests: list, slot: int, timeout_s: float) -> Sandbox:
+        """A sandbox for one sample, as uid ``config.uid + slot``."""
+        limits = self.config
+        workdir = Path(tempfile.mkdtemp(prefix="relax-code-", dir=self.scratch))
+        job = {
+            "source": source,
+            "tests": tests,
+            "uid": limits.uid + slot,
+            "cpu_s": limits.cpu_s,
+            "memory_mb": limits.memory_mb,
+            "disk_mb": limits.disk_mb,
+            "processes": limits.processes,
+            "output_bytes": limits.output_kb * 1024,
+            "wall_s": timeout_s,
+        }
+        read_end, write_end = os.pipe()
+        job["results_fd"] = write_end  # the same number in the sandbox (pass_fds)
+        (workdir / "job.json").write_text(json.dumps(job))
+        command = ["unshare", *NAMESPACES, "--", sys.executable, "-I", "-S", "-B", str(INIT)]
+        try:
+            with open(workdir / "stderr", "wb") as log:
+                process = subprocess.Popen(
+                    [*command, str(workdir / "job.json")],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    pass_fds=(write_end,),
+                    start_new_session=True,  # its own process group, killed as one
+                )
+        except OSError:
+            os.close(read_end)
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        finally:
+            os.close(write_end)
+        os.set_blocking(read_end, False)
+        return Sandbox(index, len(tests), slot, process, read_end, workdir, Deadline(timeout_s))
+
+    def close(self) -> None:
+        """Stop taking calls; a caller still running gets a RuntimeError and its sandboxes
+        are killed."""
+        self.closed = True
+
+
+def sandbox_problem(config: CodeTestsConfig) -> str | None:
+    """Why this machine cannot run the sandbox (namespaces, uids), by starting one; None when
+    it can."""
+    if os.geteuid() != 0:
+        return (
+            "the code sandbox needs root (CAP_SYS_ADMIN for its network, PID and mount "
+            "namespaces, CAP_SETUID for its uids); run the job as root or in a container "
+            "that grants them"
+        )
+    if shutil.which("unshare") is None:
+        return "the code sandbox needs util-linux's unshare on PATH"
+    for uid in range(config.uid, config.uid + config.concurrency):
+        with contextlib.suppress(KeyError):
+            return f"uid {uid} belongs to the account {pwd.getpwuid(uid).pw_name}; set code.uid"
+    call = ("code_tests", ("```python\nimport json\nx = json.loads('1')\n```", ["assert x == 1"]))
+    try:
+        trial = config.model_copy(update={"code_pattern": CODE_PATTERN})  # its own limits
+        (outcome,) = CodeSandboxPool(trial).run([call], timeout_s=30)
+    except OSError as exc:
+        return f"the code sandbox could not start: {exc}"
+    if outcome.value != 1.0:
+        return f"a trial sandbox failed: {outcome.error or f'reward {outcome.value}'}"
+    return None

@@ -1,0 +1,144 @@
+"""The shared spare pool's policy (``runtime/pool_policy.py``): readings in, moves out. The
+cluster-scale model driving it is ``bench/pool_sim.py``; the last test runs that model for a
+few steps."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from relax_launch.runtime.pool_policy import (
+    PoolPolicy,
+    PoolPolicyConfig,
+    PoolView,
+    RoleView,
+    burst_gain,
+)
+
+CONFIG = PoolPolicyConfig(target_queue_per_engine=4, min_gain_s=5, hold_s=5)
+
+
+def role(name: str, **kw) -> RoleView:
+    base = dict(
+        role=name,
+        width=1,
+        engines=1,
+        serving=1,
+        held=0,
+        most=4,
+        outstanding=0.0,
+        answered=0.0,
+        start_s=10.0,
+    )
+    return RoleView(**{**base, **kw})
+
+
+def test_a_burst_gains_what_the_engines_after_their_start_take_off_it() -> None:
+    # 100 requests at 1/s on 1 engine: 100 s; 1 more after 10 s: 10 + 90/2 = 55 s, 45 s sooner
+    assert burst_gain(100, 1, 1, 1.0, 10.0) == pytest.approx(45.0)
+    assert burst_gain(5, 1, 3, 1.0, 10.0) == 0.0  # over before the new engines serve
+
+
+def test_a_judge_burst_takes_free_ranks_once_its_throughput_is_read() -> None:
+    policy = PoolPolicy(CONFIG)
+    judge = role("genrm", outstanding=40.0)
+    assert policy.decide(PoolView(0.0, 2, (judge,))) == []  # no throughput known yet
+    judge = replace(judge, outstanding=30.0, answered=10.0)
+    (move,) = policy.decide(PoolView(10.0, 2, (judge,), waiting_on="genrm"))
+    # 30 requests at 1/s: wants ceil(30 / 4) = 8 engines, the pool has 2 ranks, max_engines 4
+    assert (move.role, move.direction, move.target) == ("genrm", "scale_out", 3)
+    assert "1.00 requests/s" in move.reason and move.evidence["waiting_on"] == "genrm"
+
+
+def test_no_move_for_a_busy_role_a_role_at_its_cap_or_a_gain_below_the_minimum() -> None:
+    for changed in ({"busy": True}, {"most": 1}, {"start_s": 1000.0}):
+        policy = PoolPolicy(CONFIG)
+        judge = role("genrm", outstanding=40.0, **changed)
+        policy.decide(PoolView(0.0, 2, (judge,)))
+        judge = replace(judge, outstanding=30.0, answered=10.0)
+        assert policy.decide(PoolView(10.0, 2, (judge,))) == [], changed
+
+
+def phases(policy: PoolPolicy, rollout: RoleView, others: tuple[RoleView, ...], t: float) -> float:
+    """A rollout phase of 100 s (60 s with more requests left than engines), then idle."""
+    readings = ((t, 50.0, True), (t + 60, 0.5, True), (t + 80, 0.5, True), (t + 100, 0.0, False))
+    for now, left, phase in readings:
+        r = replace(rollout, outstanding=left, phase=phase)
+        policy.decide(PoolView(now, 0, (r, *others)))
+    return t + 100
+
+
+def test_rollout_gains_from_its_last_phase_body_and_an_idle_donor_gives_it_ranks() -> None:
+    policy = PoolPolicy(CONFIG)
+    rollout = role("rollout", engines=2, serving=2)
+    judge = role("genrm", engines=3, serving=3, held=2)  # holds the pool's 2 ranks, idle
+    end = phases(policy, rollout, (judge,), 0.0)
+    assert policy.estimates["rollout"].phase_engine_s == pytest.approx(120.0)
+    # judge idle since t=0 (more than hold_s): it gives its 2 pool engines back
+    (move,) = policy.decide(PoolView(end + 1, 0, (rollout, judge)))
+    assert (move.role, move.direction, move.target) == ("genrm", "scale_in", 1)
+    assert move.evidence == {"for": "rollout"}
+    (move,) = policy.decide(PoolView(end + 3, 2, (rollout, replace(judge, engines=1, held=0))))
+    # 120 engine-seconds on 2 engines: 60 s; on 4: 30 s
+    assert (move.role, move.direction, move.target) == ("rollout", "scale_out", 4)
+    assert move.evidence["gain_s"] == pytest.approx(30.0)
+
+
+def test_a_role_idle_for_less_than_hold_s_keeps_its_pool_engines() -> None:
+    policy = PoolPolicy(CONFIG)
+    rollout = role("rollout", engines=2, serving=2)
+    judge = role("genrm", engines=3, serving=3, held=2, outstanding=3.0)
+    end = phases(policy, rollout, (judge,), 0.0)
+    judge = replace(judge, outstanding=0.0)
+    assert policy.decide(PoolView(end + 1, 0, (rollout, judge))) == []  # idle since end + 1
+    (move,) = policy.decide(PoolView(end + 7, 0, (rollout, judge)))
+    assert move.direction == "scale_in" and move.role == "genrm"
+
+
+def test_ranks_freed_for_a_role_go_to_it_not_back_to_the_donor() -> None:
+    """The rollout role (larger gain) gives its idle pool engines to the judge's burst; the
+    freed ranks then go to the judge, not straight back to the rollout role."""
+    policy = PoolPolicy(replace(CONFIG, target_queue_per_engine=1))
+    rollout = role("rollout", engines=4, serving=4, held=2, start_s=1.0, most=6)
+    judge = role("genrm", outstanding=0.0, start_s=1.0)
+    t = phases(policy, rollout, (judge,), 0.0)  # learns 240 engine-seconds a phase
+    t = phases(policy, rollout, (judge,), t + 200)  # and 200 s between phases: time to restart
+    policy.decide(PoolView(t, 0, (rollout, replace(judge, outstanding=200.0))))
+    judge = replace(judge, outstanding=180.0, answered=20.0)
+    (give,) = policy.decide(PoolView(t + 10, 0, (rollout, judge)))
+    assert (give.role, give.direction, give.target) == ("rollout", "scale_in", 2)
+    rollout = replace(rollout, engines=2, serving=2, held=0)
+    judge = replace(judge, outstanding=170.0, answered=30.0)
+    (take,) = policy.decide(PoolView(t + 11, 2, (rollout, judge)))
+    assert (take.role, take.direction, take.target) == ("genrm", "scale_out", 3)
+
+
+def test_a_rollout_donor_that_could_not_restart_before_its_next_phase_counts_the_loss() -> None:
+    policy = PoolPolicy(CONFIG)
+    rollout = role("rollout", engines=4, serving=4, held=2, start_s=500.0)
+    judge = role("genrm", start_s=1.0)
+    t = phases(policy, rollout, (judge,), 0.0)
+    t = phases(policy, rollout, (judge,), t + 20)  # phases 20 s apart: no time to restart
+    policy.decide(PoolView(t, 0, (rollout, replace(judge, outstanding=12.0))))
+    judge = replace(judge, outstanding=6.0, answered=6.0)
+    # the judge gains about 2 s; the rollout role would lose 240/2 - 240/4 = 60 s: no move
+    assert policy.decide(PoolView(t + 6, 0, (rollout, judge))) == []
+
+
+def test_the_simulator_moves_pool_engines_between_roles_within_a_run() -> None:
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        sim = importlib.import_module("pool_sim")
+    finally:
+        sys.path.remove(str(bench))
+    load = sim.WORKLOADS["alternating"][1]
+    steps = [sim.step_work(load(s, 12, 1536), 8, 0.1) for s in range(12)]
+    seconds, moves, log = sim.run("pool", steps, 24, 0.1)
+    static, _, _ = sim.run("static", steps, 24, 0.1)
+    assert {entry["role"] for entry in log} >= {"rollout", "teacher", "genrm"}
+    assert moves == len(log) > 3 and seconds < static
