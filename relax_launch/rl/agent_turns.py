@@ -50,13 +50,8 @@ class PerTurnClient(AgentClient):
         return [turn for turn in self.turns if turn.turns]
 
 
-MULTI_TURN = ("continue_tokens", "per_turn", "strict")
-
-
 def client_factory(multi_turn: str) -> ClientFactory:
     """The client recording each conversation under ``rollout.multi_turn``."""
     if multi_turn == "per_turn":
         return PerTurnClient
-    if multi_turn not in MULTI_TURN:
-        raise ValueError(f"rollout.multi_turn={multi_turn!r}; one of {', '.join(MULTI_TURN)}")
     return functools.partial(AgentClient, strict=multi_turn == "strict")

@@ -4,10 +4,9 @@ one sample (all its tests) is the source's ``timeout_s``."""
 
 from __future__ import annotations
 
-import re
-
 from pydantic import Field, field_validator
 
+from relax_launch.config.patterns import checked_pattern
 from relax_launch.config.section import Section
 
 CODE_PATTERN = r"```(?:py(?:thon3?)?)?[ \t]*\n(.*?)```"  # ```, ```py, ```python, ```python3
@@ -56,10 +55,4 @@ class CodeTestsConfig(Section):
     @field_validator("code_pattern")
     @classmethod
     def _one_group(cls, pattern: str) -> str:
-        try:
-            groups = re.compile(pattern).groups
-        except re.error as exc:
-            raise ValueError(f"code_pattern {pattern!r} is not a regex: {exc}") from None
-        if groups < 1:
-            raise ValueError(f"code_pattern {pattern!r} needs a group (...) around the program")
-        return pattern
+        return checked_pattern(pattern, "code_pattern", "program")

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import pwd
-import re
 import select
 import shutil
 import signal
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_launch.config.patterns import last_group
 from relax_launch.deadline import Deadline, wait_until
 from relax_launch.processes import group_alive
 from relax_launch.rl.code_config import CODE_PATTERN, CodeTestsConfig
@@ -34,12 +34,6 @@ INIT = Path(__file__).with_name("sandbox_init.py")
 NAMESPACES = ["--net", "--pid", "--mount-proc", "--fork", "--kill-child"]
 RESULT_BYTES = 1 << 20  # what a sandbox may send back; past it the rest is not read
 STOP_TIMEOUT_S = 10.0  # a killed namespace is gone in milliseconds
-
-
-def program(response: str, pattern: str) -> str | None:
-    """The last match's first group of ``pattern`` in the response; None when none."""
-    matches = list(re.finditer(pattern, response, re.DOTALL))
-    return matches[-1].group(1) if matches else None
 
 
 def tests_problem(tests: Any) -> str | None:
@@ -94,8 +88,11 @@ class Sandbox:
         group is the wait for the whole sandbox."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-        wait_until(lambda: not group_alive(self.process.pid), STOP_TIMEOUT_S, interval_s=0.01)
+        self.process.wait(timeout=STOP_TIMEOUT_S)
+        if wait_until(lambda: not group_alive(self.process.pid), STOP_TIMEOUT_S, 0.01) is None:
+            raise RuntimeError(  # its uid's processes would count against the next sample's
+                f"sandbox {self.process.pid} outlived SIGKILL for {STOP_TIMEOUT_S:.0f} s"
+            )
         with contextlib.suppress(OSError):
             self.log = (self.workdir / "stderr").read_bytes()[-2000:].decode(errors="replace")
         os.close(self.fd)
@@ -139,7 +136,7 @@ class CodeSandboxPool:
     def _run(self, calls: list[tuple[str, tuple]], timeout_s: float, out: list[Outcome]) -> None:
         pending = deque()
         for index, (_, (response, tests)) in enumerate(calls):
-            source = program(response, self.config.code_pattern)
+            source = last_group(response, self.config.code_pattern)
             if problem := tests_problem(tests):
                 out[index].error = f"builtin:code_tests: the row {problem}"
             elif source is None:

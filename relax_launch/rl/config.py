@@ -255,7 +255,8 @@ class RewardSource(Section):
     @property
     def pooled(self) -> bool:
         """Whether this source scores in the worker pool (``rl/reward_pool.py``)."""
-        return self.function is not None and self.function[8:] in POOLED_REWARDS
+        builtin = self.function is not None and self.function.startswith("builtin:")
+        return builtin and self.function[8:] in POOLED_REWARDS
 
     @model_validator(mode="after")
     def _exactly_one_kind(self) -> RewardSource:

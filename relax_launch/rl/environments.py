@@ -117,6 +117,7 @@ class EnvironmentRollout:
             )
         except TimeoutError:
             self.worker.kill()
+            await self.worker.wait()
             first = json.dumps({"error": f"not loaded in {self.config.load_timeout_s} s"})
         reply = json.loads(first) if first.strip() else {"error": "it exited"}
         if not reply.get("ready"):
@@ -143,17 +144,24 @@ class EnvironmentRollout:
             await self.runner.cleanup()
 
     async def _read(self) -> None:
-        """Each reply to the rollout waiting for it; the worker's end fails them all."""
-        while line := await self.worker.stdout.readline():
-            try:
-                reply = json.loads(line)
-            except ValueError:  # not the protocol's: the worker sends its replies only
-                continue
-            future = self.pending.get(reply.get("id"))
-            if future is not None and not future.done():
-                future.set_result(reply)
+        """Each reply to the rollout waiting for it; the worker's end (or a reply line over
+        LINE_LIMIT, which ends the stream's reading) fails them all."""
+        try:
+            while line := await self.worker.stdout.readline():
+                try:
+                    reply = json.loads(line)
+                except ValueError:  # not the protocol's: the worker sends its replies only
+                    continue
+                future = self.pending.get(reply.get("id"))
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except ValueError as exc:  # asyncio's reader: a line past its limit
+            self.worker.kill()
+            self.gone = WorkerGone(
+                f"the environment's worker sent {exc} (its log: {self.log_path})"
+            )
         code = await self.worker.wait()
-        self.gone = WorkerGone(
+        self.gone = self.gone or WorkerGone(
             f"the environment's worker exited with code {code} (its log: {self.log_path})"
         )
         for future in self.pending.values():

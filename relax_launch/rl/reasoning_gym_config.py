@@ -5,11 +5,11 @@ config is read, so a typo fails before any process starts."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import Field, field_validator
 
+from relax_launch.config.patterns import checked_pattern
 from relax_launch.config.section import Section
 
 PREFIX = "reasoning_gym:"
@@ -42,13 +42,7 @@ class ReasoningGymConfig(Section):
     @field_validator("answer_pattern")
     @classmethod
     def _one_group(cls, pattern: str) -> str:
-        try:
-            groups = re.compile(pattern).groups
-        except re.error as exc:
-            raise ValueError(f"answer_pattern {pattern!r} is not a regex: {exc}") from None
-        if groups < 1:
-            raise ValueError(f"answer_pattern {pattern!r} needs a group (...) around the answer")
-        return pattern
+        return checked_pattern(pattern, "answer_pattern", "answer")
 
 
 def task_names(dataset: str) -> list[str]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import difflib
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
 
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
+from relax_launch.config.patterns import last_group
 from relax_launch.rl.reasoning_gym_config import ReasoningGymConfig, task_names
 
 
@@ -63,8 +63,8 @@ def rows(
 
 def extract(response: str, pattern: str) -> str | None:
     """The last match's first group, stripped; None when the response has none."""
-    matches = list(re.finditer(pattern, response, flags=re.DOTALL))
-    return matches[-1].group(1).strip() if matches else None
+    found = last_group(response, pattern)
+    return found.strip() if found is not None else None
 
 
 @functools.cache

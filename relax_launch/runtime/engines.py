@@ -114,6 +114,8 @@ def engine_worker(
 ) -> EngineWorker:
     """This rank's process of ``engine`` (its server not started yet)."""
     section = job.inference_roles()[engine.role]
+    if engine.model:  # a further model of its role: its own model and engine arguments
+        section = section.model_sections()[engine.model]
     model = job.rollout_model() if engine.role == "rollout" else section.model
     if engine.role == "rollout" and job.algorithm.records_routing:  # the experts it routed to
         flags = {**section.engine, "enable_return_routed_experts": True}

@@ -248,11 +248,13 @@ def probe_for(
     section = job.weight_sync.parity_probe
     if not plan.engines_of("rollout") or not section.enabled:
         return None
-    tolerance = tolerance_for(section, job.trainer.dtype, job.engine_dtype("rollout"))
+    device = job.cluster.device
+    tolerance = tolerance_for(section, job.trainer.dtype, job.engine_dtype("rollout"), device)
     if tolerance is None:
         operator_log().warning(
             f"relax-launch: weight-sync parity probe off: trainer {job.trainer.dtype} and "
-            f"rollout engines {job.engine_dtype('rollout')} have no measured tolerance; set "
+            f"rollout engines {job.engine_dtype('rollout')} have no measured tolerance on "
+            f"{device}; set "
             "weight_sync.parity_probe.tolerance to turn it on"
         )
         return None

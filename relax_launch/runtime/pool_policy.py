@@ -36,9 +36,9 @@ ROLLOUT = "rollout"
 
 @dataclass(frozen=True)
 class PoolPolicyConfig:
-    """The policy's knobs (``cluster.spare_pool`` in a job)."""
+    """The policy's knobs (``cluster.spare_autoscale`` in a job)."""
 
-    target_queue_per_engine: float = 8.0  # requests one engine takes before another helps
+    target_queue_per_engine: float = 4.0  # requests one engine takes before another helps
     min_gain_s: float = 5.0  # seconds a move must save, after its start cost
     hold_s: float = 5.0  # a role idle this long may give its pool engines to another
     rate_smoothing: float = 0.5  # weight of the newest throughput reading

@@ -21,8 +21,8 @@ class ParityProbeConfig(Section):
         description="Largest |trainer - engine| logprob of a probe token that passes. Unset: "
         "1e-3 when trainer and rollout engines both compute in float32 (measured gaps stay "
         "below 2e-5); 2.0 with bfloat16 on either side (measured on the CPU: 0.15-0.46; a "
-        "broken LoRA merge misses by 13-18); float16 has no measured bound, so the probe is off "
-        "there unless this is set.",
+        "broken LoRA merge misses by 13-18), on the CPU only; float16, and bfloat16 on a GPU, have "
+        "no measured bound, so the probe is off there (said once) unless this is set.",
     )
     tokens: int = Field(
         64,

@@ -38,17 +38,21 @@ PROBE_TEXT = (
 )
 
 
-def tolerance_for(config: ParityProbeConfig, trainer_dtype: str, engine_dtype: str) -> float | None:
+def tolerance_for(
+    config: ParityProbeConfig, trainer_dtype: str, engine_dtype: str, device: str
+) -> float | None:
     """The gap a probe token may have: the configured one, else the measured bound of the
-    precisions in use (float32 both sides; bfloat16 on either side); None (the probe is off)
-    for precisions without a measured bound (float16), rather than a guess."""
+    precisions in use (float32 both sides; bfloat16 on either side, measured on the CPU only);
+    None (the probe is off) for precisions without a measured bound on ``device`` (float16;
+    bfloat16 on a GPU, whose kernels reduce in other orders), rather than a guess."""
     if not config.enabled:
         return None
     if config.tolerance is not None:
         return config.tolerance
     if trainer_dtype == engine_dtype == "float32":
         return FP32_TOLERANCE
-    return BF16_TOLERANCE if {trainer_dtype, engine_dtype} <= MEASURED else None
+    measured = {trainer_dtype, engine_dtype} <= MEASURED and device == "cpu"
+    return BF16_TOLERANCE if measured else None
 
 
 def probe_sequences(encode: Callable[[str], list[int]], count: int, tokens: int) -> list[list[int]]:

@@ -22,6 +22,7 @@ from relax_launch.placement.memory_plan import memory_plan
 from relax_launch.placement.preflight import preflight
 from relax_launch.placement.render import table
 from relax_launch.rl import rollout
+from relax_launch.runtime.engines import engine_worker
 
 MODEL = "builtin:tiny-llama"
 SCORE = {"input_ids": [1, 5, 9], "sampling_params": {"max_new_tokens": 1}}
@@ -196,3 +197,23 @@ def test_the_controller_routes_as_the_gateway_and_judges_by_reward_source(plane,
     }
     assert answered == {"alpha/0": 2, "beta/1": 1, "style/0": 2, "facts/1": 1}
     assert total(metrics, "relax_model_ready", role="genrm", model="facts") == 1
+
+
+def test_each_models_engines_start_that_model_with_its_own_arguments():
+    further = {
+        "model": "builtin:tiny-qwen2",
+        "model_id": "beta",
+        "engine": {"max_total_tokens": 2048},
+    }
+    config = job([further], world=4)
+    placed = plan(config)
+    started = [
+        engine_worker(config, placed, e.ranks[0], e, node_rank=0, rendezvous=None)
+        for e in placed.engines_of("teacher")
+    ]
+    assert [
+        (Path(w.server.model_path).name, w.server.engine["max_total_tokens"]) for w in started
+    ] == [
+        ("tiny-llama", 512),
+        ("tiny-qwen2", 2048),
+    ]

@@ -208,3 +208,13 @@ def test_closing_the_pool_ends_a_scoring_still_in_flight_at_once():
     thread.join(timeout=30)
     assert not thread.is_alive() and time.monotonic() - start < 10
     assert "closed" in outcome["error"] and rewards.pool.workers == []
+
+
+def test_only_the_builtin_names_score_in_the_pool():
+    """A user function whose module name is as long as 'builtin:' is not a pooled built-in."""
+    sources = [
+        {"name": "pooled", "function": "builtin:math_verify"},
+        {"name": "user", "function": "rewards:math_verify"},
+    ]
+    pooled, user = RewardConfig(sources=sources).sources
+    assert pooled.pooled and not user.pooled

@@ -31,15 +31,16 @@ BROKEN_LORA_GAPS = [13.0, 18.0]  # issue 50's split LoRA job, engines holding ot
 
 def test_tolerance_is_measured_for_float32_and_bfloat16_and_never_guessed_for_float16():
     config = ParityProbeConfig()
-    assert tolerance_for(config, "float32", "float32") == FP32_TOLERANCE
+    assert tolerance_for(config, "float32", "float32", "cpu") == FP32_TOLERANCE
     for dtypes, healthy in ((("bfloat16",) * 2, BF16_GAPS), (("float32", "bfloat16"), MIXED_GAPS)):
-        tolerance = tolerance_for(config, *dtypes)
+        tolerance = tolerance_for(config, *dtypes, "cpu")
         assert max(healthy) * 4 < tolerance < min(BROKEN_LORA_GAPS) / 5
-    assert tolerance_for(config, "float16", "float16") is None
-    assert tolerance_for(config, "float32", "float16") is None
-    assert tolerance_for(ParityProbeConfig(tolerance=0.05), "bfloat16", "bfloat16") == 0.05
+    assert tolerance_for(config, "float16", "float16", "cpu") is None
+    assert tolerance_for(config, "float32", "float16", "cpu") is None
+    assert tolerance_for(ParityProbeConfig(tolerance=0.05), "bfloat16", "bfloat16", "cuda") == 0.05
+    assert tolerance_for(config, "bfloat16", "bfloat16", "cuda") is None  # not measured there
     off = ParityProbeConfig(enabled=False, tolerance=0.05)
-    assert tolerance_for(off, "float32", "float32") is None
+    assert tolerance_for(off, "float32", "float32", "cpu") is None
 
 
 def test_the_probe_is_the_same_every_time_and_its_sequences_differ():
