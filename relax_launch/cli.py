@@ -16,6 +16,7 @@ import click
 from relax_launch import __version__, platform
 from relax_launch.commands.sbatch import SbatchOptions, check_gpus, render, submit
 from relax_launch.config import ConfigError, JobConfig, load_config
+from relax_launch.models.registry import is_vision_language
 from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
 from relax_launch.placement.memory_plan import MemoryPlan, memory_plan
 from relax_launch.placement.render import memory_table, summary, table, write_picture
@@ -35,7 +36,8 @@ def _load_and_plan(
     notes = preflight(job, placement, require_models=require_models)
     if require_models:  # about to start it
         check_runnable(job, placement)
-        check_inputs(job.data, job.reward, job.eval, job.rollout.function, job.rollout.environment)
+        r, vision = job.rollout, is_vision_language(job.trainer.model)
+        check_inputs(job.data, job.reward, job.eval, r.function, r.environment, vision=vision)
     return job, placement, notes
 
 
@@ -51,9 +53,16 @@ def main() -> None:
 
 
 def critic_line(job: JobConfig, placement: PlacementPlan, memory: MemoryPlan | None) -> str:
-    """Where PPO's value model lives: on the trainer's ranks, in the trainer's layout, and in a
-    colocated placement where its state is in the trainer's turn (``runtime/critic_turns.py``)."""
+    """Where PPO's value model lives: on ranks of its own, or on the trainer's ranks in the
+    trainer's layout, and in a colocated placement where its state is in the trainer's turn
+    (``runtime/critic_turns.py``)."""
     t, model = placement.trainer, job.critic.model or job.trainer.model
+    if placement.critic is not None:  # critic.ranks=own
+        c = placement.critic
+        return (
+            f"critic: value model of {model} on ranks of its own {c.ranks[0]}-{c.ranks[-1]} "
+            f"(tp={c.tp_size} dp={c.dp_size}), trained while the policy trains"
+        )
     line = (
         f"critic: value model of {model} on the trainer ranks {t.ranks[0]}-{t.ranks[-1]} "
         f"(tp={t.tp_size} pp={t.pp_size} dp={t.dp_size}), trained after the policy each step"

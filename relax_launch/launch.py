@@ -12,6 +12,7 @@ import sys
 
 from relax_launch import platform
 from relax_launch.config import ConfigError, load_config
+from relax_launch.models.registry import is_vision_language
 from relax_launch.placement import check_runnable, plan, preflight
 from relax_launch.placement.device_memory import check_device
 from relax_launch.placement.memory_plan import memory_plan
@@ -40,7 +41,10 @@ def main(argv: list[str]) -> int:
         prompts = []  # read and checked once, by rank 0: the controller trains on them
         if rank == 0:
             r = job.rollout
-            prompts = check_inputs(job.data, job.reward, job.eval, r.function, r.environment)
+            vision = is_vision_language(job.trainer.model)
+            prompts = check_inputs(
+                job.data, job.reward, job.eval, r.function, r.environment, vision=vision
+            )
     except ConfigError as exc:
         print(f"relax-launch rank {rank}: {exc}", file=sys.stderr)
         return 2

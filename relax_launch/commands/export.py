@@ -42,6 +42,12 @@ from relax_launch.trainer.hf_dir import (
 from relax_launch.trainer.lora import COLUMN, SPLIT, merged, peft_config, peft_tensors
 from relax_launch.trainer.model_shape import ModelShape
 from relax_launch.trainer.trainer import shard_name
+from relax_launch.trainer.vlm_conversion import (
+    VLM_ARCHITECTURES,
+    VLShape,
+    vlm_megatron_to_hf,
+    vlm_tp_split_dim,
+)
 
 
 class ExportError(ValueError):
@@ -86,6 +92,7 @@ class CheckpointModel:
     dtype: str
     lora: LoraConfig | None
     job: dict  # the config of the run that saved it
+    vision: VLShape | None = None  # a vision-language model's (shape: its language model's)
 
     @classmethod
     def open(cls, directory: Path) -> CheckpointModel:
@@ -99,16 +106,20 @@ class CheckpointModel:
         trainer = record["job"]["trainer"]
         config = json.loads((directory / MODEL_FILES / "config.json").read_text())
         lora = LoraConfig(**trainer["lora"]) if trainer.get("lora") else None
+        vision = None
+        if (config.get("architectures") or [""])[0] in VLM_ARCHITECTURES:
+            vision = VLShape.from_hf_config(config)
         model = cls(
             directory=directory,
             model_dir=Path(record["model_dir"]),
-            shape=ModelShape.from_hf_config(config),
+            shape=vision.text if vision else ModelShape.from_hf_config(config),
             tp_size=trainer["tp_size"],
             pp_size=trainer["pp_size"],
             ep_size=trainer.get("ep_size", 1),
             dtype=trainer["dtype"],
             lora=lora,
             job=record["job"],
+            vision=vision,
         )
         for tp, pp, ep in itertools.product(
             range(model.tp_size), range(model.pp_size), range(model.ep_size)
@@ -159,6 +170,12 @@ class CheckpointModel:
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model under Hugging Face names (LoRA merged), stage by stage; the experts
         of each EP rank from its own shards, the rest from EP rank 0's."""
+        if self.vision is not None:  # one stage, no experts, no LoRA (config/vlm_rules.py)
+            shards = self.saved(0)
+            for name in (n for n in shards[0] if not n.endswith("._extra_state")):
+                whole = self._joined(shards, name, vlm_tp_split_dim(name))
+                yield from vlm_megatron_to_hf(name, whole, self.vision, tp_size=self.tp_size)
+            return
         base = load_base(self.model_dir) if self.lora is not None else None
         for pp_rank in range(self.pp_size):
             offset = stage_layers(self.shape, pp_rank, self.pp_size).start

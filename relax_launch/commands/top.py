@@ -86,11 +86,11 @@ def _progress(run_dir: Path) -> tuple[dict[str, Any], str | None]:
     header: dict[str, Any] = {"name": job.get("name", run_dir.name), "total": total}
     if rows:
         last = rows[-1]
-        mean = sum(r.get("time/step", 0.0) for r in rows) / len(rows)
+        steps = [r["time/step"] for r in rows if "time/step" in r]  # eval-only rows: none
         header |= {"step": int(last["step"]), "reward": last.get("reward")}
         header["step_s"] = last.get("time/step")
-        if total:
-            header["eta_s"] = mean * max(total - int(last["step"]), 0)
+        if total and steps:  # no ETA before a trained step (eval.before_training's row)
+            header["eta_s"] = sum(steps) / len(steps) * max(total - int(last["step"]), 0)
     end = read_end_record(run_dir)
     header["state"] = end["state"] if end else "running"
     error = end["reason"] if end and end["state"] == "failed" else None

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 from relax_launch.config.agent_rules import multi_turn_problems
 from relax_launch.config.critic_rules import critic_problems
 from relax_launch.config.environment_rules import environment_problems
+from relax_launch.config.vlm_rules import vision_language_problems
 from relax_launch.rl.reasoning_gym_config import PREFIX as REASONING_GYM
+from relax_launch.rl.reasoning_gym_config import SEED_BLOCKS, generator_seed
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -24,6 +26,7 @@ def cross_section_problems(job: JobConfig) -> list[str]:
     problems += critic_problems(job)  # config/critic_rules.py
     problems += multi_turn_problems(job)  # config/agent_rules.py
     problems += environment_problems(job)  # config/environment_rules.py
+    problems += vision_language_problems(job)  # config/vlm_rules.py
     return problems + _elastic_problems(job) + _optimizer_offload_problems(job)
 
 
@@ -358,5 +361,23 @@ def _eval_problems(job: JobConfig) -> list[str]:
         problems.append(
             f"eval.data.seed={held_out.seed} equals data.seed: {held_out.dataset} would "
             "evaluate on the training prompts; give eval.data.seed another value."
+        )
+    elif both_gym and generator_seed(held_out.seed) == generator_seed(job.data.seed):
+        problems.append(
+            f"eval.data.seed={held_out.seed} and data.seed={job.data.seed} differ by a multiple "
+            f"of {SEED_BLOCKS}: reasoning-gym would draw the same rows for both; give "
+            "eval.data.seed another value."
+        )
+    if job.eval.before_training and job.placement.mode != "decoupled":
+        problems.append(
+            f"eval.before_training evaluates between the engines' start and the first step, "
+            f"which placement {job.placement.mode} has no turn for: remove it or use placement "
+            "decoupled."
+        )
+    if job.eval.before_training and job.algorithm.max_staleness:
+        problems.append(  # its rollout starts with the engines: the step-0 eval would share them
+            f"eval.before_training with algorithm.max_staleness={job.algorithm.max_staleness} "
+            "(fully asynchronous): the continuous rollout starts with the engines, so the "
+            "step-0 eval would share them with it; remove one of the two."
         )
     return problems

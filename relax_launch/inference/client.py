@@ -32,7 +32,7 @@ from relax_launch.inference.disaggregation import (
     watched,
     with_input_logprobs,
 )
-from relax_launch.inference.discovery import Discovery
+from relax_launch.inference.discovery import Discovery, read_discovery
 from relax_launch.inference.routing import (
     ENGINE_PATHS,
     REFUSED_HEADER,
@@ -208,7 +208,7 @@ class AsyncInferenceClient:
             url = f"{self.planner.base}/{self.planner.role}/engines"
             reply = await http.fetch(self.session, "GET", url, timeout_s=self.timeout_s)
             _check(reply)
-            snapshot = Discovery.model_validate_json(reply.body)
+            snapshot = read_discovery(reply.body)  # fields added later ignored
         return self.planner.store(snapshot)
 
     async def _prepare(self, path: str, payload: dict, affinity: str | None) -> Prepared:

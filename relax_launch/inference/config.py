@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from relax_launch.config.section import Section
+from relax_launch.inference.image_config import ImageLimits
 from relax_launch.inference.model_config import (
     ROLLOUT_HAS_ONE_MODEL,
     ModelNames,
@@ -365,6 +366,11 @@ class GatewayConfig(Section):
         description="Rollout traffic straight to engines, or through sglang-router (started with "
         "routing_policy: its round_robin, or its manual policy keyed by x-smg-routing-key); its "
         "workers follow the engines in routing (scaled out or in, restarted).",
+    )
+    images: ImageLimits = Field(
+        default_factory=ImageLimits,
+        description="Images in chat requests and image_data (vision-language models only): "
+        "data: URLs, local files under allowed_dirs, size and count limits (docs/gateway.md).",
     )
 
     @field_validator("request_timeout_s")

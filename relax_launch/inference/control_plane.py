@@ -61,8 +61,13 @@ class RoleSpec:
         return next(chosen, self.section.resolved_model_id(self.model))
 
 
-def _vocab_size(model_dir: Path) -> int | None:
-    return json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+def _served(model_dir: Path) -> ServedModel:
+    """The model in ``model_dir`` as its manager serves it: a vision-language model's
+    vocabulary is its text model's."""
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    image_token = config.get("image_token_id") if "vision_config" in config else None
+    return ServedModel(str(model_dir), vocab, image_token)
 
 
 def routing_spec(spec: RoleSpec, policy: RoutingPolicy) -> RoutingSpec:
@@ -89,6 +94,7 @@ def routing_spec(spec: RoleSpec, policy: RoutingPolicy) -> RoutingSpec:
 def build_manager(
     spec: RoleSpec, gateway: GatewayConfig, timeout_s: float, restart_wait_s: float = 0.0
 ) -> InferenceManager:
+    served = _served(spec.model_dir)
     manager = InferenceManager(
         role=spec.role,
         model_id=spec.section.resolved_model_id(spec.model),
@@ -97,15 +103,14 @@ def build_manager(
         routing=routing_spec(spec, gateway.routing_policy),
         phase=spec.phase,
         drain_timeout_s=timeout_s,
-        vocab_size=_vocab_size(spec.model_dir),
+        vocab_size=served.vocab_size,
         fault_tolerant=getattr(spec.section, "fault_tolerance", False),
         restart_wait_s=restart_wait_s,
         elastic=spec.section.max_engines is not None,
     )
+    manager.models[manager.model_id] = served  # whether it takes images, too
     for more in spec.more:  # its further models, each on engines of its own
-        manager.models[more.model_id] = ServedModel(
-            str(more.model_dir), _vocab_size(more.model_dir)
-        )
+        manager.models[more.model_id] = _served(more.model_dir)
     return manager
 
 
@@ -205,6 +210,7 @@ class ControlPlane:
             timeout_s=self.request_timeout_s,
             renderers=renderers,
             registry=app.metrics.registry,
+            images=app.generation.images,
         )
         self.router: SGLangRouter | None = None
 
@@ -270,10 +276,11 @@ class ControlPlane:
         self.server.app.admin.leases = leases
 
     def scaled_by(self, scaler: Any) -> None:
-        """Elastic roles: the scale routes and the admin engines route go to rank 0's
-        ``EngineScaler`` (``runtime/scaling.py``)."""
+        """Elastic roles: the scale routes, the admin engines route and discovery's spare pool
+        go to rank 0's ``EngineScaler`` (``runtime/scaling.py``)."""
         self.server.app.scaling.scaler = scaler
         self.server.app.admin.scaling = scaler.scaling
+        self.server.app.pool = scaler.pool
 
     def close(self) -> None:
         """Stop routing, keep the final metrics (``gateway_metrics.txt``: the gateway's and the

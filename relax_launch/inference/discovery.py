@@ -6,8 +6,9 @@ from it, so both read the same document. Multi-rank engines appear once, by thei
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -139,6 +140,25 @@ class RoutingSpec(_Strict):
     policy: RoutingPolicy = "round_robin"
 
 
+class PoolEngineRecord(_Strict):
+    """An engine started (or starting) on the shared spare pool's ranks."""
+
+    role: Literal["rollout", "genrm", "teacher"]
+    engine_id: str = Field(min_length=1)
+    ranks: tuple[int, ...]
+    state: str = Field(description="starting, health_checking, weight_syncing, serving, ...")
+
+
+class PoolRecord(_Strict):
+    """The job's shared spare pool (``cluster.spare_ranks``): its ranks, those no engine holds,
+    and the engines holding the others (each role's engine there, whichever role it is)."""
+
+    ranks: tuple[int, ...]
+    roles: tuple[str, ...] = Field(description="The roles that may start engines there.")
+    free_ranks: tuple[int, ...]
+    engines: tuple[PoolEngineRecord, ...]
+
+
 class Discovery(_Strict):
     schema_version: Literal[2] = SCHEMA_VERSION
     role: Literal["rollout", "genrm", "teacher"]
@@ -147,6 +167,9 @@ class Discovery(_Strict):
     phase: str
     routing: RoutingSpec
     models: dict[str, ModelRecord]
+    pool: PoolRecord | None = Field(
+        None, description="The shared spare pool, on a role that may start engines there."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Discovery:
@@ -170,3 +193,26 @@ class Discovery(_Strict):
         if shadowing:
             raise ValueError(f"aliases {shadowing} shadow model ids")
         return self
+
+
+def read_discovery(body: bytes | str) -> Discovery:
+    """A discovery document as a client reads it: a gateway may add fields within a schema
+    version (``pool`` joined schema 2), so fields this version does not know are left out at
+    every level before the strict validation (``schema_version`` must still be 2)."""
+    return Discovery.model_validate(_known(Discovery, json.loads(body)))
+
+
+def _known(annotation: Any, value: Any) -> Any:
+    """``value`` without the keys that ``annotation``'s models (nested ones too) do not have."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not isinstance(value, dict):
+            return value
+        fields = annotation.model_fields
+        return {k: _known(fields[k].annotation, v) for k, v in value.items() if k in fields}
+    args = get_args(annotation)
+    if get_origin(annotation) is dict and len(args) == 2 and isinstance(value, dict):
+        return {k: _known(args[1], v) for k, v in value.items()}
+    if get_origin(annotation) in (tuple, list) and args and isinstance(value, list):
+        return [_known(args[0], v) for v in value]
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return _known(models[0], value) if len(models) == 1 else value  # X | None

@@ -4,14 +4,15 @@ Per role (``/rollout``, ``/genrm``, ``/teacher``): ``POST /generate``, ``/v1/cha
 ``/chat/completions``, ``/v1/completions``; ``GET /v1/models``, ``/engines`` (discovery, schema
 2), ``/health``; token-guarded ``/admin/*`` and, on an elastic role, ``/scale_out`` and
 ``/scale_in`` (``scale_routes.py``). At the root: ``/health``, ``/ready``, ``/metrics``,
-``/job``, ``/openapi.json`` (FastAPI's). The generation routes' handlers are
-``generation_routes.py``'s. Every error is ``{"error": {...}}``.
+``/job``, ``/engines`` (every role's discovery and the spare pool), ``/openapi.json``
+(FastAPI's). The generation routes' handlers are ``generation_routes.py``'s. Every error is
+``{"error": {...}}``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -25,14 +26,17 @@ from starlette.types import Message, Receive, Scope, Send
 
 from relax_launch.inference import admin
 from relax_launch.inference.config import GatewayConfig
-from relax_launch.inference.discovery import Discovery
+from relax_launch.inference.discovery import Discovery, PoolRecord
 from relax_launch.inference.generation_routes import GENERATION_ERRORS, GenerationRoutes, Renderer
+from relax_launch.inference.images import ImagePolicy
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.metrics import GatewayMetrics
 from relax_launch.inference.openapi import error_responses, role_route_docs
 from relax_launch.inference.requests import JsonBodyRoute
 from relax_launch.inference.routing import RETRY_AFTER_S
 from relax_launch.inference.scale_routes import ScaleRoutes
+
+JSON = "application/json"
 
 
 class InferenceGateway:
@@ -56,7 +60,8 @@ class InferenceGateway:
     ) -> None:
         self.managers, self.config, self.run_dir = managers, config, run_dir
         timeout_s = request_timeout_s or config.timeout_s()  # the job's, else auto's floor
-        self.generation = GenerationRoutes(managers, renderers or {}, timeout_s)
+        images = ImagePolicy(config.images)
+        self.generation = GenerationRoutes(managers, renderers or {}, timeout_s, images)
         self.metrics = GatewayMetrics(managers)
         self.app = FastAPI(
             title="relax-launch inference gateway",
@@ -72,6 +77,7 @@ class InferenceGateway:
         self.body_routes: dict[tuple[str, str], JsonBodyRoute] = {}
         self.admin = admin.AdminRoutes(managers, admin_token, config.admin_token_env)
         self.scaling = ScaleRoutes(self.admin.authorize)
+        self.pool: Callable[[], PoolRecord | None] | None = None  # set with the scaler
         self._add_root_routes()
         for role in managers:
             self._add_role_routes(role)
@@ -135,6 +141,7 @@ class InferenceGateway:
             ("/ready", self._ready, ("503",), "Every role is ready"),
             ("/metrics", self._metrics, (), "Prometheus text format"),
             ("/job", self._job, (), "The job's run directory and roles"),
+            ("/engines", self._all_engines, (), "Every role's discovery and the spare pool"),
         ):
             route = APIRoute(
                 path,
@@ -195,9 +202,24 @@ class InferenceGateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def _engines(self, role: str) -> Response:
-        """Discovery, schema 2."""
+        """Discovery, schema 2; on a role that may start engines on the shared spare pool, the
+        pool's ranks and which role's engine holds them."""
+        pool = self.pool() if self.pool is not None else None
+        return Response(self._discovery(role, pool).model_dump_json(), media_type=JSON)
+
+    async def _all_engines(self) -> Response:
+        """Every role's discovery, and the shared spare pool (null: the job has none)."""
+        pool = self.pool() if self.pool is not None else None
+        roles = {r: self._discovery(r, pool).model_dump(mode="json") for r in self.managers}
+        shared = pool.model_dump(mode="json") if pool is not None else None
+        return JSONResponse({"roles": roles, "pool": shared})
+
+    def _discovery(self, role: str, pool: PoolRecord | None) -> Discovery:
+        """The role's snapshot, with the pool (rank 0's scaler's) where the role may use it."""
         snapshot = self.managers[role].snapshot()
-        return Response(snapshot.model_dump_json(), media_type="application/json")
+        if pool is not None and role in pool.roles:
+            snapshot = snapshot.model_copy(update={"pool": pool})
+        return snapshot
 
     async def _role_health(self, role: str) -> Response:
         """The role's models, their states and whether each is ready."""

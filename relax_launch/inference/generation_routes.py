@@ -22,6 +22,7 @@ from relax_launch.inference.disaggregation import (
     bootstrapped,
     with_input_logprobs,
 )
+from relax_launch.inference.images import ImagePolicy, ImageRefused, has_images, image_urls
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.proxy import Upstream, forwarded_headers
 from relax_launch.inference.requests import (
@@ -39,6 +40,7 @@ from relax_launch.inference.routing import (
     RouteResolver,
     RouteTarget,
     RoutingError,
+    select_model,
 )
 
 # Renders judge messages to a prompt with the GenRM model's chat template.
@@ -55,17 +57,42 @@ JUDGE_SAMPLING = {"temperature": 0.0, "max_new_tokens": 256}
 GENERATION_ERRORS = ("400", "413", "502", "503", "504")
 
 
+async def checked_images(
+    policy: ImagePolicy,
+    manager: InferenceManager,
+    payload: dict[str, Any],
+    model_id: str | None = None,
+) -> dict[str, Any] | None:
+    """``payload`` with its images checked and sent as data (``images.py``), or None when it
+    has none; ``model_id`` (default: the one the payload selects, ``RoutingError`` if none) must
+    take images. The check (PIL decodes each image) runs off the event loop. A non-streaming chat
+    with images answers with the prompt's token ids as the engine saw them (image placeholders
+    included), unless the request says otherwise."""
+    if not has_images(payload):
+        return None
+    if model_id is None:
+        model_id = select_model(manager.snapshot(), payload.get("model"), payload.get("route_key"))
+    image_token = manager.image_token_of(model_id)
+    checked = await asyncio.to_thread(policy.checked, payload, model_id, image_token)
+    if checked.get("messages") is not None and not checked.get("stream"):
+        checked.setdefault("return_prompt_token_ids", True)
+    return checked
+
+
 class GenerationRoutes:
     """The handlers of the generation routes; each takes the role first (``partial``).
-    ``timeout_s``: every request's deadline at its engine."""
+    ``timeout_s``: every request's deadline at its engine; ``images``: what images requests
+    may carry."""
 
     def __init__(
         self,
         managers: dict[str, InferenceManager],
         renderers: dict[str, Renderer],
         timeout_s: float,
+        images: ImagePolicy | None = None,
     ) -> None:
         self.managers, self.renderers, self.timeout_s = managers, renderers, timeout_s
+        self.images = images or ImagePolicy()
         self.resolver, self.upstream = RouteResolver(), Upstream(timeout_s)
 
     async def generate(self, role: str, request: Request, body: GenerateRequest) -> Response:
@@ -93,10 +120,13 @@ class GenerationRoutes:
         problem = vocabulary_problem(token_ids, self.managers[role].vocab_of(target.model_id))
         if problem is not None:
             raise HTTPException(400, problem)
+        imaged = await self._images(role, target.model_id, payload)
+        payload = payload if imaged is None else imaged
         if path == "/generate":
             routing = {k: payload.pop(k) for k in ROUTING_FIELDS if k in payload}
-            # byte-faithful unless a routing field has to go or a prefill half needs its address
-            changed = routing or target.prefill is not None
+            # byte-faithful unless a routing field has to go, images were read or checked, or
+            # a prefill half needs its address
+            changed = routing or imaged is not None or target.prefill is not None
             forward = orjson.dumps(payload) if changed else request.state.raw_body
         else:
             payload.pop("route_key", None)
@@ -154,6 +184,15 @@ class GenerationRoutes:
         kept = {k: v for k, v in reply.headers.items() if k != "content-length"}
         return Response(with_input_logprobs(reply.body, prefilled, body), 200, kept)
 
+    async def _images(
+        self, role: str, model_id: str, payload: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """``checked_images``; a refused image is a 400."""
+        try:
+            return await checked_images(self.images, self.managers[role], payload, model_id)
+        except ImageRefused as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+
     def _route(self, role: str, payload: dict[str, Any], request: Request) -> RouteTarget:
         try:
             target = self.resolver.resolve(
@@ -176,6 +215,7 @@ class GenerationRoutes:
         if role not in self.renderers:
             raise HTTPException(400, f"/{role}/generate takes messages only on the genrm role")
         chosen = self._route(role, payload, request)  # refuse before rendering when not ready
+        payload = await self._images(role, chosen.model_id, payload) or payload
         render = renderer_for(self.renderers, role, chosen.model_id)
         kwargs = payload.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
@@ -194,6 +234,8 @@ class GenerationRoutes:
         target = self._route(role, payload, request)  # the model may have gone to sleep meanwhile
         sampling = {**JUDGE_SAMPLING, **(payload.get("sampling_params") or {})}
         body = {"text": prompt, "sampling_params": sampling}
+        if image_urls(payload["messages"]):  # in the order the template shows them
+            body["image_data"] = image_urls(payload["messages"])
         if target.prefill is not None:
             body = bootstrapped(body, target.prefill)
         headers = forwarded_headers(request.headers.raw, target.routing_key)

@@ -22,14 +22,21 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
 from relax_launch.inference.disaggregation import PrefillUnreachable
-from relax_launch.inference.generation_routes import JUDGE_SAMPLING, Renderer, renderer_for
+from relax_launch.inference.generation_routes import (
+    JUDGE_SAMPLING,
+    Renderer,
+    checked_images,
+    renderer_for,
+)
 from relax_launch.inference.health import HealthProbe
+from relax_launch.inference.images import ImagePolicy, ImageRefused, image_urls
 from relax_launch.inference.manager import InferenceManager
+from relax_launch.inference.metrics import ControllerMetrics
 from relax_launch.inference.outage import EngineOutage
 from relax_launch.inference.requests import vocabulary_problem
 from relax_launch.inference.routing import (
@@ -47,7 +54,6 @@ log = logging.getLogger("relax_launch.inference")
 KEEPALIVE_S = 4.0
 MAX_CONNECTIONS = 2048  # as many concurrent requests as the gateway's pool takes
 RUN_MARGIN_S = 30.0  # run()'s default bound, beyond one request's deadline and one retry
-BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class EngineUnreachable(InferenceError):
@@ -62,49 +68,6 @@ class RequestsCancelled(RuntimeError):
     """``EngineClients.cancel_all`` dropped this wait (the job is stopping)."""
 
 
-class ControllerMetrics:
-    """The controller's requests by role, endpoint, model and status, with latency and in-flight
-    counts, in a Prometheus registry (its own unless one is given)."""
-
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        self.requests = Counter(
-            "relax_controller_requests",
-            "Requests the RL controller sent to the engines (not through the gateway).",
-            ("role", "endpoint", "model", "status"),
-            registry=self.registry,
-        )
-        self.seconds = Histogram(
-            "relax_controller_request_seconds",
-            "Latency of the controller's engine requests.",
-            ("role", "endpoint"),
-            buckets=BUCKETS_S,
-            registry=self.registry,
-        )
-        self.engines_lost = Counter(
-            "relax_controller_engines_lost",
-            "Engines the controller found dead and routed around ({role}.fault_tolerance).",
-            ("role",),
-            registry=self.registry,
-        )
-        self.regenerated = Counter(
-            "relax_controller_requests_regenerated",
-            "Requests lost on an engine that died or was scaled in, sent to another engine.",
-            ("role",),
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "relax_controller_in_flight",
-            "Controller requests in flight.",
-            ("role",),
-            registry=self.registry,
-        )
-
-    def finished(self, role: str, endpoint: str, model: str, status: int, seconds: float) -> None:
-        self.requests.labels(role, endpoint, model, str(status)).inc()
-        self.seconds.labels(role, endpoint).observe(seconds)
-
-
 class EngineClient:
     """One role's engines for the controller; every method runs on the job's event loop."""
 
@@ -117,8 +80,10 @@ class EngineClient:
         metrics: ControllerMetrics,
         renderers: dict[str, Renderer] | None = None,
         probe: HealthProbe | None = None,
+        images: ImagePolicy | None = None,
     ) -> None:
         self.manager, self.role = manager, manager.role
+        self.images = images or ImagePolicy()  # the gateway's (gateway.images)
         self.session: aiohttp.ClientSession | None = None  # the job's session, once started
         self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
         self.renderers = renderers or {}  # the genrm role's judge form (chat messages in)
@@ -132,6 +97,10 @@ class EngineClient:
         started, model, status = time.perf_counter(), "-", 500
         self.metrics.in_flight.labels(self.role).inc()
         try:
+            try:  # the gateway's check: refused (400) before any engine
+                payload = await checked_images(self.images, self.manager, payload) or payload
+            except (RoutingError, ImageRefused) as exc:
+                raise InferenceError(exc.status, str(exc)) from None
             if path == "/generate" and payload.get("messages") is not None:
                 reply, model = await self._judge(payload, affinity_key)
             else:
@@ -266,6 +235,8 @@ class EngineClient:
         sampling = {**JUDGE_SAMPLING, **(payload.get("sampling_params") or {})}
         routing = {k: payload[k] for k in ROUTING_FIELDS if k in payload}
         judged = {**routing, "text": prompt, "sampling_params": sampling}
+        if image_urls(payload["messages"]):  # checked; in the order the template shows them
+            judged["image_data"] = image_urls(payload["messages"])
         routed = self._route("/generate", judged, affinity_key)  # it may sleep meanwhile
         reply = await self._post_or_reroute(routed, "/generate", judged, affinity_key)
         try:
@@ -291,6 +262,7 @@ class EngineClients:
         renderers: dict[str, Renderer] | None = None,
         registry: CollectorRegistry | None = None,
         probe: HealthProbe | None = None,
+        images: ImagePolicy | None = None,
     ) -> None:
         self.timeout_s, self.metrics = timeout_s, ControllerMetrics(registry)
         self.runner: http.Portal | None = None
@@ -307,6 +279,7 @@ class EngineClients:
                 metrics=self.metrics,
                 renderers=renderers,
                 probe=probe,
+                images=images,
             )
             for role, manager in managers.items()
         }

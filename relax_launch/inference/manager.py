@@ -345,6 +345,11 @@ class InferenceManager:
         """The vocabulary of ``model_id`` (a model this role serves)."""
         return self.models[model_id].vocab_size
 
+    def image_token_of(self, model_id: str) -> int | None:
+        """The image placeholder token of ``model_id`` (a model this role serves); None when
+        it takes no images."""
+        return self.models[model_id].image_token_id
+
     def _build(self, state: State) -> Discovery:
         serving = {e.engine_id: e for e in self.serving()}
         return Discovery(

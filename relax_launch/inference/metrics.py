@@ -1,4 +1,5 @@
-"""Gateway metrics through prometheus_client: requests, latency, in-flight, model state.
+"""Gateway metrics through prometheus_client: requests, latency, in-flight, model state; and
+the controller's own requests (``ControllerMetrics``, counted apart from the gateway's).
 
 Each gateway has a registry of its own (not the process-wide default), so that several gateways
 in one process (tests, benchmarks) count apart. Labelled children are looked up once and kept:
@@ -18,6 +19,7 @@ from relax_launch.inference.manager import InferenceManager
 
 Metric = Counter | Gauge | Histogram
 BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+CONTROLLER_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class ModelStates(Collector):
@@ -96,3 +98,46 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ControllerMetrics:
+    """The controller's requests by role, endpoint, model and status, with latency and in-flight
+    counts, in a Prometheus registry (its own unless one is given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "relax_controller_requests",
+            "Requests the RL controller sent to the engines (not through the gateway).",
+            ("role", "endpoint", "model", "status"),
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "relax_controller_request_seconds",
+            "Latency of the controller's engine requests.",
+            ("role", "endpoint"),
+            buckets=CONTROLLER_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.engines_lost = Counter(
+            "relax_controller_engines_lost",
+            "Engines the controller found dead and routed around ({role}.fault_tolerance).",
+            ("role",),
+            registry=self.registry,
+        )
+        self.regenerated = Counter(
+            "relax_controller_requests_regenerated",
+            "Requests lost on an engine that died or was scaled in, sent to another engine.",
+            ("role",),
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "relax_controller_in_flight",
+            "Controller requests in flight.",
+            ("role",),
+            registry=self.registry,
+        )
+
+    def finished(self, role: str, endpoint: str, model: str, status: int, seconds: float) -> None:
+        self.requests.labels(role, endpoint, model, str(status)).inc()
+        self.seconds.labels(role, endpoint).observe(seconds)

@@ -56,11 +56,13 @@ ROLLOUT_HAS_ONE_MODEL = (
 
 @dataclass(frozen=True)
 class ServedModel:
-    """One model of a role as its manager serves it: the name its engines report, and its
-    vocabulary (token ids outside it are refused before the engine)."""
+    """One model of a role as its manager serves it: the name its engines report, its
+    vocabulary (token ids outside it are refused before the engine), and for a model that
+    takes images (a vision-language model; inference/images.py) its image placeholder token."""
 
     served_model_name: str
     vocab_size: int | None = None
+    image_token_id: int | None = None
 
 
 def default_model_id(model: str) -> str:

@@ -9,8 +9,9 @@ list the role's operations, newest first; ``POST /{role}/scale_out/{request_id}/
 a scale-out in flight (202; the engines it started are stopped, the count returns). Errors: a
 field of the wrong type 422; a count outside the planned engines to ``max_engines``, the wrong
 direction or an unknown model 400; an operation in flight for the role, a role not serving
-(starting, FAILED), a count it has already or a cancel of an operation that ended 409; an
-unknown id 404. Rank 0's ``EngineScaler`` (``runtime/scaling.py``) does the work.
+(starting, FAILED), a count it has already, a cancel of an operation that ended or whose engines
+already serve (its point of no return: docs/gateway.md) 409; an unknown id 404. Rank 0's
+``EngineScaler`` (``runtime/scaling.py``) does the work.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class ScaleRoutes:
 
     async def cancel(self, role: str, request_id: str) -> Response:
         """Stop a scale-out in flight: 202 with the operation, ``cancelling`` until the engines
-        it started are stopped (then ``cancelled``)."""
+        it started are stopped (then always ``cancelled``); 409 once its engines serve."""
         scaler = self._scaler()
         try:
             op = scaler.cancel(role, request_id)

@@ -34,11 +34,6 @@ class ModelFacts:
         return bool(self.architecture)
 
 
-# the trainer builds Qwen2.5-VL (trainer/vlm_model.py), but the RL step takes no images yet
-VLM_NOT_TRAINABLE = (
-    "vision-language models are not trained by RL jobs yet (docs/vlm.md: what works, what is "
-    "missing)"
-)
 # the tiny random models' shape (models/build.py), 2 layers of hidden size 64
 TINY = {
     "num_layers": 2,
@@ -79,7 +74,6 @@ BUILTIN_MODELS = {
         **(TINY | {"vocab_size": 384}),
         architecture="Qwen2_5_VLForConditionalGeneration",
         tied_embeddings=True,
-        not_trainable=VLM_NOT_TRAINABLE,
     ),
 }
 # What the trainer converts to Megatron-core and syncs back (trainer/hf_conversion.py); engines
@@ -91,6 +85,9 @@ TRAINABLE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
 )
+# Vision-language models the trainer builds (trainer/vlm_model.py; docs/vlm.md): their
+# language model is checked when the trainer reads the config (trainer/vlm_conversion.py).
+VISION_LANGUAGE_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 # RoPE variants that change only the rotary frequencies (trainer/model.py applies them).
 TRAINABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -148,6 +145,8 @@ def trainable_problem(cfg: dict) -> str | None:
     silently (biases, sliding windows) or change the model's outputs (RoPE variants).
     """
     architecture = (cfg.get("architectures") or ["(none)"])[0]
+    if architecture in VISION_LANGUAGE_ARCHITECTURES:
+        return None
     if architecture not in TRAINABLE_ARCHITECTURES:
         return (
             f"architecture {architecture} is not one the trainer converts to Megatron-core; "
@@ -165,3 +164,9 @@ def trainable_problem(cfg: dict) -> str | None:
     if cfg.get("hidden_act", "silu") != "silu":
         return f"hidden_act={cfg['hidden_act']!r} is not supported (the trainer uses SwiGLU/silu)"
     return None
+
+
+def is_vision_language(ref: str) -> bool:
+    """Whether ``ref`` names a vision-language model (by its facts; False when unknown)."""
+    facts = model_facts(ref)
+    return facts is not None and facts.architecture in VISION_LANGUAGE_ARCHITECTURES

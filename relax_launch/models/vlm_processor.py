@@ -48,15 +48,19 @@ class VisionProcessor:
         if text.count(IMAGE_PAD) != len(images):
             raise ValueError(f"{text.count(IMAGE_PAD)} image placeholders for {len(images)} images")
         if not images:
-            return VisionPrompt(self.tokenizer(text)["input_ids"], None, None)
+            return VisionPrompt(self._ids(text), None, None)
         patches = self.images(images=images, return_tensors="pt")
         grids = patches["image_grid_thw"]
         parts = text.split(IMAGE_PAD)
         expanded = parts[0]
         for grid, part in zip(grids, parts[1:], strict=True):
             expanded += IMAGE_PAD * (int(grid.prod()) // self.merge**2) + part
-        ids = self.tokenizer(expanded)["input_ids"]
-        return VisionPrompt(ids, patches["pixel_values"], grids)
+        return VisionPrompt(self._ids(expanded), patches["pixel_values"], grids)
+
+    def _ids(self, text: str) -> list[int]:
+        """The ids of rendered ``text`` as the engine tokenizes it: the chat template wrote
+        every special token already (SGLang tokenizes without adding any)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_chat(
         self, messages: list[dict[str, Any]], images: list[Any], add_generation_prompt: bool = True

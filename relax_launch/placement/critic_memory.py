@@ -7,8 +7,10 @@ trainer's for its micro-batches (``critic.micro_batch_size``) without the logits
 head's output is one number per token.
 
 Decoupled: the critic's state is resident beside the policy's (one ``resident`` phase; the two
-models' activations are never live at once). Colocated: the critic is offloaded outside the
-trainer's turn, and the trainer's turn has more than one moment (``runtime/critic_turns.py``):
+models' activations are never live at once); on ranks of its own (``critic.ranks: own``) the
+critic alone holds them, its state and its activations, sized by its own grid. Colocated: the
+critic is offloaded outside the trainer's turn, and the trainer's turn has more than one
+moment (``runtime/critic_turns.py``):
 
 - ``keep``: ``train`` holds the policy training beside the critic's state, ``train critic``
   the critic training beside the policy's state;
@@ -28,7 +30,7 @@ from relax_launch.placement.memory import BYTES, Term, activation_terms, stage_p
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
     from relax_launch.models.sizes import ModelSize
-    from relax_launch.placement.plan import PlacementPlan
+    from relax_launch.placement.plan import PlacementPlan, RankPlan, RoleAssignment
 
 CriticMode = Literal["resident", "keep", "swap"]
 TRAIN_CRITIC, CRITIC_VALUES = "train critic", "critic values"
@@ -58,8 +60,7 @@ def critic_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict) -> 
     """One trainer rank's value model at stage ``pp_rank``: its state, then its activations."""
     t = job.trainer
     tp, pp, ep = ranks["tp"], ranks["pp"], ranks["ep"]
-    dense, experts = stage_params(size, pp_rank, pp, tp, ep)
-    elements = dense + experts
+    elements = critic_params(size, pp_rank, pp, tp, ep)
     weight = BYTES[t.dtype]
     terms = [
         Term("parameters", elements * weight, f"{t.dtype}, / TP {tp} x PP {pp}"),
@@ -72,6 +73,17 @@ def critic_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict) -> 
     as_trainer = job.model_copy(update={"trainer": section})
     activations = activation_terms(as_trainer, size, pp_rank, ranks)
     return terms + [a for a in activations if a.name != "logits"]  # the head gives 1 per token
+
+
+def critic_params(size: ModelSize, pp_rank: int, pp: int, tp: int, ep: int) -> float:
+    """The value model's parameters on one rank of stage ``pp_rank``: the policy's stage without
+    its language-model head (replaced in host memory, never on the device: trainer/critic.py),
+    with the value head's hidden + 1 on the last stage."""
+    dense, experts = stage_params(size, pp_rank, pp, tp, ep)
+    if pp_rank == pp - 1:
+        head = size.embedding_params / tp if not size.tied_embeddings or pp > 1 else 0
+        dense += size.hidden_size + 1 - head
+    return dense + experts
 
 
 def state_of(terms: list[Term] | tuple[Term, ...]) -> tuple[Term, ...]:
@@ -94,9 +106,27 @@ def trainer_state(mode: CriticMode | None, phase: str) -> str | None:
     return None
 
 
-def critic_state(mode: CriticMode, phase: str) -> tuple[str, tuple[str, ...] | None]:
+def critic_assignment_of(plan: PlacementPlan, rank: RankPlan) -> RoleAssignment | None:
+    """Where ``rank`` holds the value model: its own rank's critic role, or, when it has no
+    ranks of its own, a trainer rank's trainer role (None: it holds none)."""
+    wanted = "critic" if plan.critic is not None else "trainer"
+    return next((a for a in rank.assignments if a.role == wanted), None)
+
+
+def critic_ranks(plan: PlacementPlan, trainer_ranks: dict[str, int]) -> dict[str, int]:
+    """The grid the value model is sized by: its own (one stage) or the trainer's."""
+    if plan.critic is None:
+        return trainer_ranks
+    return {"tp": plan.critic.tp_size, "pp": 1, "dp": plan.critic.dp_size, "cp": 1, "ep": 1}
+
+
+def critic_state(
+    mode: CriticMode, phase: str, own: bool = False
+) -> tuple[str, tuple[str, ...] | None]:
     """The critic's state label in ``phase`` and the names of the terms it holds there (None:
-    all of them)."""
+    all of them). On ranks of its own it holds all of them: its state and its batch."""
+    if own:
+        return "active", None
     if mode == "resident":
         return "resident", _STATE_NAMES
     if phase == "start-up":

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 from relax_launch.config.errors import ConfigError
 from relax_launch.models.sizes import ModelSize, model_size
 from relax_launch.placement.critic_memory import (
+    critic_assignment_of,
+    critic_ranks,
     critic_state,
     critic_terms,
     named_terms,
@@ -42,10 +44,11 @@ from relax_launch.placement.memory import (
     sglang_reserve_bytes,
     trainer_terms,
 )
+from relax_launch.placement.memory_fixes import consumers, fields, fixes
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
-    from relax_launch.placement.plan import EnginePlan, PlacementPlan
+    from relax_launch.placement.plan import EnginePlan, PlacementPlan, RoleAssignment
 
 ROUNDING = 1.001  # SGLang rounds its default mem_fraction_static to 3 decimals
 COLOCATED_MARGIN = 0.03  # of capacity, kept free by a planned mem_fraction_static
@@ -189,10 +192,12 @@ class _Builder:
         self.cuda = job.cluster.device == "cuda"
         self.engines: dict[str, EngineMemory] = {}
         self.notes: list[str] = []
-        self._trainer_cache: dict[int, list[Term]] = {}
+        # the trainer's terms by pipeline stage, the critic's by ("critic", stage)
+        self._trainer_cache: dict[int | tuple[str, int], list[Term]] = {}
 
     def device(self, rank: object) -> list[DevicePhase]:
         trainer = next((a for a in rank.assignments if a.role == "trainer"), None)
+        critic = critic_assignment_of(self.plan, rank)  # its own rank, or a trainer rank
         engines = [
             self.plan.engines_of(a.role)[a.engine_index]
             for a in rank.assignments
@@ -206,8 +211,8 @@ class _Builder:
             others = []
             if trainer is not None:
                 others.append(self._trainer(trainer.pp_rank, phase))
-            if trainer is not None and self.critic is not None:
-                others.append(self._critic(trainer.pp_rank, phase))
+            if critic is not None and self.critic is not None:
+                others.append(self._critic(critic, phase))
             waiting = [e for e in engines if not self._active(e, phase)]
             others += [self._idle_engine(e, phase) for e in waiting]
             active = [e for e in engines if self._active(e, phase)]
@@ -226,7 +231,7 @@ class _Builder:
             state = [t for t in built.terms if t.name not in ("activations", "logits")]
             holders.append(Holder("trainer", "built", tuple(state)))
             if self.critic is not None:
-                holders.append(self._critic(trainer.pp_rank, "start-up"))
+                holders.append(self._critic(trainer, "start-up"))
         for engine in engines:
             if not engine.reserved:
                 holders.append(self._active_engine(engine, list(holders)))
@@ -261,14 +266,15 @@ class _Builder:
             return Holder("trainer", "parameters only", tuple(kept))
         return Holder("trainer", "offloaded", (terms[0],))
 
-    def _critic(self, pp_rank: int, phase: str) -> Holder:
-        """The value model on a trainer rank (``placement/critic_memory.py``)."""
-        key = ("critic", pp_rank)
+    def _critic(self, assignment: RoleAssignment, phase: str) -> Holder:
+        """The value model on a trainer rank, or alone on one of its own, with its process
+        (``placement/critic_memory.py``)."""
+        key, own = ("critic", assignment.pp_rank), assignment.role == "critic"
         if key not in self._trainer_cache:
-            size = self.sizes["critic"]
-            self._trainer_cache[key] = critic_terms(self.job, size, pp_rank, self._ranks())
-        state, names = critic_state(self.critic, phase)
-        terms = self._trainer_cache[key]
+            size, ranks = self.sizes["critic"], critic_ranks(self.plan, self._ranks())
+            self._trainer_cache[key] = critic_terms(self.job, size, key[1], ranks)
+        state, names = critic_state(self.critic, phase, own)
+        terms = [self._runtime("trainer")] * own + self._trainer_cache[key]
         return Holder(
             "critic", state, tuple(terms) if names is None else named_terms(terms, *names)
         )
@@ -331,7 +337,7 @@ def check_memory(job: JobConfig, memory: MemoryPlan) -> None:
     what to change."""
     for phase in memory.devices:
         if phase.total > memory.capacity * ROUNDING:
-            raise ConfigError(_overflow(job, memory, phase), _fields(job, phase))
+            raise ConfigError(_overflow(job, memory, phase), fields(job, phase))
     needed = job.data.max_prompt_tokens + job.data.max_response_tokens
     for engine in memory.engines:
         if engine.kv_tokens < needed:
@@ -350,51 +356,11 @@ def check_memory(job: JobConfig, memory: MemoryPlan) -> None:
             )
 
 
-def _consumers(phase: DevicePhase, count: int = 3) -> list[tuple[str, Term]]:
-    terms = [(h.role, t) for h in phase.holders for t in h.terms if not t.host]
-    return sorted(terms, key=lambda rt: -rt[1].bytes)[:count]
-
-
 def _overflow(job: JobConfig, memory: MemoryPlan, phase: DevicePhase) -> str:
-    largest = ", ".join(f"{role} {t.name} {t.bytes / GB:.1f} GB" for role, t in _consumers(phase))
+    largest = ", ".join(f"{role} {t.name} {t.bytes / GB:.1f} GB" for role, t in consumers(phase))
     return (
         f"rank {phase.rank} (node {phase.node}) needs {phase.total / GB:.1f} GB in phase "
         f"'{phase.phase}' but a device has {memory.capacity / GB:.1f} GB "
-        f"({memory.capacity_source}); largest: {largest}. {_fixes(job, phase)} "
+        f"({memory.capacity_source}); largest: {largest}. {fixes(job, phase)} "
         "(relax-launch plan CONFIG shows every device's phases)."
     )
-
-
-def _fixes(job: JobConfig, phase: DevicePhase) -> str:
-    """What would shrink the largest consumers, the largest first."""
-    fixes = []
-    for role, term in _consumers(phase):
-        if role == "critic":  # swapping shrinks the trainer's turn, not the start-up
-            turn = phase.phase not in ("start-up", "resident") and job.critic.offload != "swap"
-            fixes += ["critic.offload=swap"] if turn else []
-            fixes += _trainer_fixes(job, term.name)[-1:]  # a larger layout shrinks it too
-            continue
-        if role != "trainer":
-            name = role.split()[0]
-            fixes.append(f"a smaller {name}.engine.mem_fraction_static or a larger {name}.tp_size")
-            continue
-        fixes += _trainer_fixes(job, term.name)
-    return "Try " + "; ".join(dict.fromkeys(fixes)) + "."
-
-
-def _trainer_fixes(job: JobConfig, term: str) -> list[str]:
-    t = job.trainer
-    if term in ("activations", "logits"):
-        recompute = [] if t.recompute == "full" or term == "logits" else ["trainer.recompute=full"]
-        return [*recompute, "fewer tokens per micro-batch (trainer.max_tokens_per_micro_batch)"]
-    if term in ("optimizer state", "master weights") and not t.distributed_optimizer:
-        return ["trainer.distributed_optimizer=true"]
-    if term in ("optimizer state", "master weights") and job.cluster.device == "cuda":
-        return ["trainer.optimizer_offload=true"] if not t.optimizer_offload else []
-    return ["a larger trainer.tp_size or pp_size (or ep_size for experts)"]
-
-
-def _fields(job: JobConfig, phase: DevicePhase) -> tuple[str, ...]:
-    roles = dict.fromkeys(role.split()[0] for role, _ in _consumers(phase))
-    named = {"trainer": "trainer.distributed_optimizer", "critic": "critic.offload"}
-    return tuple(named.get(r, f"{r}.tp_size") for r in roles)

@@ -170,6 +170,7 @@ class PlacementPlan:
     phase_order: tuple[str, ...]
     weight_sync_groups: tuple[WeightSyncGroup, ...]
     config_digest: str
+    critic: TrainerLayout | None = None  # the value model's grid on ranks of its own, if any
 
     @property
     def world_size(self) -> int:
@@ -180,10 +181,12 @@ class PlacementPlan:
         the processes that compute at the same time. Phases that take turns (synchronous
         training, split, defer) compute one role at a time: its processes share the cores.
         With rollout ``overlapping`` training, every role's processes on the node do."""
+        # a critic on ranks of its own trains while the trainer does
+        together = {"trainer", "critic"} if role in ("trainer", "critic") else {role}
         computing = [
             r
             for r in self.ranks
-            if r.node == node and any(overlapping or a.role == role for a in r.assignments)
+            if r.node == node and any(overlapping or a.role in together for a in r.assignments)
         ]
         return max(1, cores // max(len(computing), 1))
 
@@ -231,6 +234,7 @@ class PlacementPlan:
                 _tupled(WeightSyncGroup, g) for g in data["weight_sync_groups"]
             ),
             config_digest=data["config_digest"],
+            critic=_tupled(TrainerLayout, data["critic"]) if data.get("critic") else None,
         )
 
     def stable_hash(self) -> str:

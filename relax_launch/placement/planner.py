@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from relax_launch.config.errors import ConfigError
 from relax_launch.models.registry import model_facts
+from relax_launch.placement.critic_ranks import critic_assignment, critic_layout, critic_rank_count
 from relax_launch.placement.plan import (
     EnginePlan,
     PlacementPlan,
@@ -54,18 +55,20 @@ def plan(
         )
     starts = _role_starts(job, world)
     trainer = _trainer_layout(job, world, per_node)
+    critic = critic_layout(job, per_node)  # the value model's own ranks, if it has them
     engines = _engines(job, starts, per_node)
     _check_batch(job, trainer)
     return PlacementPlan(
         mode=job.placement.mode,
         nnodes=nnodes,
         nproc_per_node=per_node,
-        ranks=_rank_plans(world, per_node, trainer, engines),
+        ranks=_rank_plans(world, per_node, trainer, engines, critic),
         engines=engines,
         trainer=trainer,
         phase_order=_phase_order(job),
         weight_sync_groups=_weight_sync_groups(trainer, engines),
         config_digest=hashlib.sha256(job.model_dump_json().encode()).hexdigest()[:16],
+        critic=critic,
     )
 
 
@@ -89,7 +92,8 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
             )
         return {n: 0 for n in roles}
     check_pool(job)
-    offset = job.trainer.ranks if mode == "decoupled" else 0
+    critic = critic_rank_count(job)  # the value model's own ranks follow the trainer's
+    offset = job.trainer.ranks + critic if mode == "decoupled" else 0
     starts = {}
     for name in SLICE_ORDER:
         if name in roles:
@@ -112,10 +116,12 @@ def _role_starts(job: JobConfig, world: int) -> dict[str, int]:
         gap = abs(world - offset)
         raise ConfigError(
             f"placement.mode=decoupled needs every rank owned by exactly one role, but "
-            f"trainer.ranks={job.trainer.ranks} + {budget} = {offset} for a {world}-rank world "
+            f"trainer.ranks={job.trainer.ranks} + "
+            + (f"critic.tp_size x critic.dp_size={critic} + " if critic else "")
+            + f"{budget} = {offset} for a {world}-rank world "
             f"({verb} {gap} rank{'s' * (gap != 1)}{' idle' if offset < world else ' more'}): "
             "change the roles' ranks or cluster.nnodes / cluster.nproc_per_node to match.",
-            ("trainer.ranks", *fields),
+            ("trainer.ranks", *(("critic.tp_size", "critic.dp_size") if critic else ()), *fields),
         )
     return starts
 
@@ -321,9 +327,15 @@ def _phase_order(job: JobConfig) -> tuple[str, ...]:
 
 
 def _rank_plans(
-    world: int, per_node: int, trainer: TrainerLayout, engines: tuple[EnginePlan, ...]
+    world: int,
+    per_node: int,
+    trainer: TrainerLayout,
+    engines: tuple[EnginePlan, ...],
+    critic: TrainerLayout | None,
 ) -> tuple[RankPlan, ...]:
     assignments: list[list[RoleAssignment]] = [[] for _ in range(world)]
+    for rank in critic.ranks if critic is not None else ():
+        assignments[rank].append(critic_assignment(critic, rank))
     for rank in trainer.ranks:
         tp, dp, pp = trainer.coordinates(rank)
         ep = trainer.ep_rank(rank) if trainer.ep_size > 1 else None

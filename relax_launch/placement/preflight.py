@@ -44,6 +44,7 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
         else:
             facts[role] = found
     _check_trainer_fits(job, facts.get("trainer"))
+    warnings += _check_critic_fits(job, facts.get("trainer"), require_models)
     for key in models:
         if key != "trainer":  # every model's engines: a role's default and further models
             _check_engine_fits(job, plan, key, facts.get(key))
@@ -53,6 +54,15 @@ def preflight(job: JobConfig, plan: PlacementPlan, *, require_models: bool = Tru
     if dataset_problem and require_models:
         raise ConfigError(dataset_problem, ("data.dataset",))
     warnings += [dataset_problem] if dataset_problem else []
+    missing = [d for d in job.gateway.images.allowed_dirs if not Path(d).is_dir()]
+    if missing:  # the gateway would refuse every file there
+        problem = (
+            f"gateway.images.allowed_dirs: {missing} are not directories here; create them or "
+            "remove them from the list"
+        )
+        if require_models:
+            raise ConfigError(problem, ("gateway.images.allowed_dirs",))
+        warnings.append(problem)
     notices = (job.precision_notice(), job.off_policy_notice(), _check_memory(job, plan))
     return warnings + [notice for notice in notices if notice]
 
@@ -117,13 +127,7 @@ def _check_trainer_fits(job: JobConfig, facts: ModelFacts | None) -> None:
             ("trainer.model",),
         )
     tp, pp = job.trainer.tp_size, job.trainer.pp_size
-    if facts.num_attention_heads % tp or facts.num_key_value_heads % tp:
-        raise ConfigError(
-            f"trainer.tp_size={tp} must divide the model's {facts.num_attention_heads} attention "
-            f"heads and {facts.num_key_value_heads} key/value heads: choose a tp_size dividing "
-            f"both (e.g. {_largest_common_divisor(facts, tp)}).",
-            ("trainer.tp_size",),
-        )
+    _check_heads(facts, tp, "trainer.tp_size")
     if facts.num_layers % pp:
         raise ConfigError(
             f"trainer.pp_size={pp} must divide the model's {facts.num_layers} layers: choose a "
@@ -131,6 +135,42 @@ def _check_trainer_fits(job: JobConfig, facts: ModelFacts | None) -> None:
             ("trainer.pp_size",),
         )
     _check_experts_fit(job, facts)
+
+
+def _check_heads(facts: ModelFacts, tp: int, field: str) -> None:
+    """Tensor parallelism splits the attention and the key/value heads: ``tp`` divides both."""
+    if facts.num_attention_heads % tp or facts.num_key_value_heads % tp:
+        raise ConfigError(
+            f"{field}={tp} must divide the model's {facts.num_attention_heads} attention "
+            f"heads and {facts.num_key_value_heads} key/value heads: choose a tp_size dividing "
+            f"both (e.g. {_largest_common_divisor(facts, tp)}).",
+            (field,),
+        )
+
+
+def _check_critic_fits(job: JobConfig, policy: ModelFacts | None, require: bool) -> list[str]:
+    """The value model (``critic.model``, else the policy's) is dense and its tensor
+    parallelism (``critic.tp_size`` on ranks of its own) divides its heads; a warning when its
+    config cannot be read and ``require`` is off."""
+    critic = job.critic
+    if critic is None:
+        return []
+    facts: ModelFacts | str | None = policy
+    if critic.model and critic.model != job.trainer.model:
+        facts = _facts_or_problem("critic", critic.model, require)
+    if facts is None or isinstance(facts, str):
+        return [facts] if facts else []
+    if facts.num_experts:
+        raise ConfigError(
+            f"critic.model={critic.model or job.trainer.model!r} is a mixture-of-experts model: "
+            "the value model is dense-only for now; set critic.model to a dense model.",
+            ("critic.model",),
+        )
+    if critic.own_ranks:
+        _check_heads(facts, critic.own_layout(job.trainer)[0], "critic.tp_size")
+    elif facts is not policy:  # the trainer's layout, another model
+        _check_heads(facts, job.trainer.tp_size, "trainer.tp_size")
+    return []
 
 
 def _check_experts_fit(job: JobConfig, facts: ModelFacts) -> None:

@@ -10,6 +10,7 @@ from relax_launch.placement.plan import PlacementPlan, RankPlan, RoleAssignment,
 
 ROLE_COLOURS = {
     "trainer": "#4C72B0",
+    "critic": "#DD8452",
     "rollout": "#55A868",
     "teacher": "#C44E52",
     "genrm": "#8172B2",
@@ -26,6 +27,8 @@ def describe(assignment: RoleAssignment, half: str | None = None) -> str:
         cp = f" cp{a.cp_rank}" if a.cp_rank is not None else ""
         ep = f" ep{a.ep_rank}" if a.ep_rank is not None else ""
         return f"trainer[tp{a.tp_rank}{cp} pp{a.pp_rank} dp{a.dp_rank}{ep}]"
+    if a.role == "critic":  # the value model on ranks of its own
+        return f"critic[tp{a.tp_rank} dp{a.dp_rank}]"
     place = "head" if a.is_head else f"follower{a.engine_rank}"
     return f"{a.role}[e{a.engine_index} {place}{f' {half}' if half else ''}]"
 
@@ -75,6 +78,11 @@ def summary(plan: PlacementPlan) -> str:
         + (f" ep={t.ep_size}" if t.ep_size > 1 else ""),
         *expert_layout(plan),
     ]
+    if plan.critic is not None:
+        c = plan.critic
+        lines.append(
+            f"critic: ranks {c.ranks[0]}-{c.ranks[-1]}  tp={c.tp_size} dp={c.dp_size} (its own)"
+        )
     for e in plan.engines:
         prefill = plan.prefill_of(e)
         pair = f" <- prefill engine {prefill.index}" if prefill is not None else ""
@@ -155,7 +163,7 @@ def _boxes(plan: PlacementPlan) -> tuple[int, int, list[_Box]]:
             a = here[0] if here else None
             fill = ROLE_COLOURS[a.role] if a else "#eeeeee"
             label = "" if a is None else a.role
-            if a is not None and a.role != "trainer":
+            if a is not None and a.engine_index is not None:
                 half = half_of(plan, a)
                 label += f" e{a.engine_index}{f' {half[0].upper()}' if half else ''}"
             boxes.append(_Box(x, y, _CELL_W - 4, _CELL_H, fill, label))

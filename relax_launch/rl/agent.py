@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from relax_launch.rl.agent_images import as_the_engine_saw, image_request
 from relax_launch.rl.calculator import calculator
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.rollout import all_or_none, weight_version_of
@@ -69,6 +70,7 @@ class Trajectory:
     token_versions: list[int] = field(default_factory=list)  # of each token, where replies say
     finish_reason: str = ""
     rejected: str | None = None
+    images: list[str] = field(default_factory=list)  # the conversation's, in prompt order
 
 
 def as_dict(message: Any) -> dict[str, Any]:
@@ -143,11 +145,16 @@ class AgentClient:
         }
         sampling |= {k: options[k] for k in ("top_p", "stop") if options.get(k) is not None}
         body = {"input_ids": context, "return_logprob": True}
+        body |= image_request(context, conversation, self.tokenizer)  # rl/agent_images.py
         try:
             reply = await self.engine(body | {"sampling_params": sampling})
         except Exception as exc:  # the engines' failure, not the rollout function's
             self.engine_error = exc
             raise
+        if "image_data" in body:
+            self.trajectory.images = body["image_data"]
+            why = as_the_engine_saw(self.trajectory, reply["prompt_token_ids"], self.tokenizer)
+            self.trajectory.rejected = self.trajectory.rejected or why
         text = self._record(reply)
         self.history = conversation
         return self._completion(text, reply)

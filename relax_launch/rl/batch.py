@@ -92,7 +92,10 @@ def to_batch(samples: list[Sample], distill_coef: float) -> TokenBatch:
         old.append((0.0, 0.0))
     routed = [s.routed_experts for s in samples]
     replay = tuple(routed) if all(r is not None for r in routed) else None
-    return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old), replay)
+    images = None
+    if any(s.images is not None for s in samples):  # one row per sample (no per_turn rows)
+        images = tuple(s.images for s in samples)
+    return TokenBatch(tuple(tokens), tuple(masks), tuple(weights), tuple(old), replay, images)
 
 
 def sample_metrics(

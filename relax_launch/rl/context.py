@@ -22,6 +22,7 @@ from relax_launch.rl.mismatch_guard import MismatchGuard
 from relax_launch.rl.report import MetricsLog
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
+from relax_launch.rl.vision_prompts import VisionEncoder
 from relax_launch.trainer.losses import LossSpec
 
 # (engines, prompts with their token ids, n, temperature, max_tokens) -> samples
@@ -32,10 +33,20 @@ Collect = Callable[..., Any]  # (ctx, seconds[, draw]) -> phases.RolloutBatch
 
 class PromptFeed:
     """The step's prompts with their token ids, in the stream's order; a prompt longer than
-    ``data.max_prompt_tokens`` is skipped, counted in ``skipped``, and the next one taken."""
+    ``data.max_prompt_tokens`` is skipped, counted in ``skipped``, and the next one taken.
+    With ``vision`` (a vision-language policy) prompts with images are encoded by it
+    (``rl/vision_prompts.py``): the ids are the trainer's, image tokens included."""
 
-    def __init__(self, stream: PromptStream, tokenizer: Any, data: DataConfig, skipped: int = 0):
+    def __init__(
+        self,
+        stream: PromptStream,
+        tokenizer: Any,
+        data: DataConfig,
+        skipped: int = 0,
+        vision: VisionEncoder | None = None,
+    ):
         self.stream, self.tokenizer, self.data, self.skipped = stream, tokenizer, data, skipped
+        self.vision = vision
 
     def draw(self) -> list[tuple[Prompt, list[int]]]:
         chosen: list[tuple[Prompt, list[int]]] = []
@@ -43,7 +54,10 @@ class PromptFeed:
             if len(chosen) == self.data.prompts_per_step:
                 return chosen
             prompt = self.stream.next_batch(1)[0]
-            ids = prompt_ids(self.tokenizer, prompt)
+            if self.vision is not None:
+                prompt, ids = self.vision.encode(prompt)
+            else:
+                ids = prompt_ids(self.tokenizer, prompt)
             if len(ids) > self.data.max_prompt_tokens:
                 self.skipped += 1
                 continue

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class CriticConfig(Section):
     """PPO's value model: the Megatron GPT body of ``model`` with a scalar value head, trained
     on the trainer's ranks after the policy each step (``trainer/critic.py``); in a colocated
-    placement offloaded between the trainer's turns (``runtime/critic_turns.py``)."""
+    placement offloaded between the trainer's turns (``runtime/critic_turns.py``). With
+    ``ranks: own`` (decoupled) it has ranks of its own and trains beside the policy."""
 
     model: str | None = Field(
         None,
@@ -39,6 +40,15 @@ class CriticConfig(Section):
         description="The value model's optimizer steps per RL step, each on a contiguous "
         "1/mini_batches of the batch (every sample once).",
     )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="The first warmup_steps RL steps train the value model alone: the policy's "
+        "step is skipped (its weights, and so the rollouts, stay as they were), so the critic "
+        "learns the returns of a fixed policy before its advantages steer one (verl's "
+        "critic_warmup). Must be below algorithm.num_steps. 0: the policy trains from the "
+        "first step.",
+    )
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -48,7 +58,15 @@ class CriticConfig(Section):
     ranks: Literal["trainer", "own"] = Field(
         "trainer",
         description="trainer: the value model shares the trainer's ranks, trained after the "
-        "policy each step. own (ranks of its own) is not built yet and is refused.",
+        "policy each step. own (placement.mode=decoupled): it has ranks of its own, "
+        "tp_size x dp_size of them, placed after the trainer's, and trains while the policy "
+        "does (relax-launch plan shows them).",
+    )
+    dp_size: int | None = Field(
+        None,
+        ge=1,
+        description="With ranks=own: the value model's data-parallel size (its ranks are "
+        "tp_size x dp_size); unset: 1. With ranks=trainer it is the trainer's: leave it unset.",
     )
     offload: Literal["auto", "swap", "keep"] = Field(
         "auto",
@@ -61,11 +79,25 @@ class CriticConfig(Section):
         "Decoupled placement keeps both resident: leave it auto.",
     )
     tp_size: int | None = Field(
-        None, ge=1, description="Must equal trainer.tp_size (it shares the ranks); unset: it."
+        None,
+        ge=1,
+        description="The value model's tensor-parallel size: with ranks=trainer it must equal "
+        "trainer.tp_size (it shares the ranks); with ranks=own its own. Unset: trainer.tp_size.",
     )
     pp_size: int | None = Field(
-        None, ge=1, description="Must equal trainer.pp_size (it shares the ranks); unset: it."
+        None,
+        ge=1,
+        description="Must equal trainer.pp_size (ranks=trainer), 1 with ranks=own (the value "
+        "model is one pipeline stage); unset: that.",
     )
+
+    @property
+    def own_ranks(self) -> bool:
+        return self.ranks == "own"
+
+    def own_layout(self, trainer: TrainerConfig) -> tuple[int, int]:
+        """(tp_size, dp_size) of the value model on ranks of its own."""
+        return self.tp_size or trainer.tp_size, self.dp_size or 1
 
     def trainer_section(self, trainer: TrainerConfig) -> TrainerConfig:
         """The trainer section the value model is built with: the trainer's layout, dtype and
@@ -78,6 +110,9 @@ class CriticConfig(Section):
             "distributed_optimizer": False,
             "optimizer_offload": False,
         }
+        if self.own_ranks:  # its own grid: TP x DP, one stage, none of the policy's PP/CP/EP
+            tp, dp = self.own_layout(trainer)
+            update |= {"tp_size": tp, "ranks": tp * dp, "pp_size": 1, "cp_size": 1, "ep_size": 1}
         if self.micro_batch_size is not None:
             update |= {
                 "micro_batch_size": self.micro_batch_size,

@@ -1,18 +1,26 @@
 """PPO's train step with a learned value model (``algorithm.advantage_estimator: gae``): the
 critic scores the batch (V_old, before any update), GAE gives each response token its
 advantage (whitened over the batch's trained tokens) and return, the policy trains on those
-advantages, then the critic on the returns (``rl/gae.py``, ``trainer/critic.py``)."""
+advantages, then the critic on the returns (``rl/gae.py``, ``trainer/critic.py``); a critic on
+ranks of its own trains on them while the policy trains."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import replace
+from time import monotonic
+from typing import TYPE_CHECKING
 
-from relax_launch.rl.context import RLContext
 from relax_launch.rl.gae import explained_variance, gae, masked_mean, returns, whiten
 from relax_launch.rl.samples import Sample
 from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.critic import STEP_SECONDS
 from relax_launch.trainer.critic_loss import critic_batch
 from relax_launch.trainer.losses import LossSpec
+
+if TYPE_CHECKING:
+    from relax_launch.rl.context import RLContext
 
 
 def advantages_and_returns(
@@ -31,26 +39,75 @@ def advantages_and_returns(
     return advantages, targets
 
 
-def train_critic(ctx: RLContext, batch: TokenBatch) -> dict[str, float]:
-    """``critic.mini_batches`` value-model steps, each on its contiguous part of ``batch`` (old
-    values from before the first); each metric's mean over them."""
+def train_policy_and_critic(
+    ctx: RLContext, policy_step: Callable[[], dict[str, float]] | None, batch: TokenBatch
+) -> dict[str, float]:
+    """The policy's step (``policy_step``; None in the critic's warm-up) and
+    ``critic.mini_batches`` value-model steps, each on its contiguous part of ``batch`` (old
+    values from before the first). On the trainer's ranks the critic trains after the policy;
+    on ranks of its own (``critic.ranks: own``) rank 0 posts the critic's steps first and both
+    train at once. The policy's metrics and ``critic_metrics`` of the critic's steps."""
+    job = ctx.job
+    if not job.critic_overlaps:
+        metrics = policy_step() if policy_step else {}
+        job.critic_turns.critic_training()
+        steps = [job.train_critic(b, ctx.critic.value_clip) for b in _mini_batches(ctx, batch)]
+        return metrics | critic_metrics(steps)
+    begun = monotonic()  # rank 0's clock only: the critic's ranks report durations
+    started = job.start_critic(_mini_batches(ctx, batch), ctx.critic.value_clip)
+    policy_s, metrics = None, {}
+    if policy_step is not None:
+        policy_begun = monotonic()
+        try:
+            metrics = policy_step()
+        except BaseException:  # the critic's sends end before the job's shutdown
+            with contextlib.suppress(Exception):
+                job.finish_critic(started)
+            raise
+        policy_s = monotonic() - policy_begun
+    steps = job.finish_critic(started)
+    return metrics | critic_metrics(steps, policy_s, monotonic() - begun)
+
+
+def _mini_batches(ctx: RLContext, batch: TokenBatch) -> list[TokenBatch]:
     parts = ctx.critic.mini_batches
     size = len(batch) // parts
-    steps = [
-        ctx.job.train_critic(batch.select(range(i * size, (i + 1) * size)), ctx.critic.value_clip)
-        for i in range(parts)
-    ]
-    return {key: sum(s[key] for s in steps) / parts for key in steps[0]}
+    return [batch.select(range(i * size, (i + 1) * size)) for i in range(parts)]
+
+
+def critic_metrics(
+    steps: list[dict[str, float]], policy_s: float | None = None, wall_s: float | None = None
+) -> dict[str, float]:
+    """Each metric's mean over the critic's steps; ``critic/step_s``, the steps' summed
+    durations on the critic's ranks; with ``policy_s`` (the policy's step on rank 0) and
+    ``wall_s`` (from posting the critic's steps to collecting the last, on rank 0)
+    ``critic/overlap_s``: how long the two trained at once (``policy_s + step_s - wall_s``, at
+    least 0), and ``critic/overlap_fraction``: that share of the shorter of the two (1: it ran
+    entirely within the other). Durations only: no two machines' clocks meet."""
+    critic_s = sum(s.pop(STEP_SECONDS) for s in steps)
+    metrics = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+    metrics["critic/step_s"] = critic_s
+    if policy_s is not None and wall_s is not None:
+        overlap = max(0.0, policy_s + critic_s - wall_s)
+        shorter = min(critic_s, policy_s)
+        metrics["critic/overlap_s"] = overlap
+        metrics["critic/overlap_fraction"] = min(1.0, overlap / shorter) if shorter > 0 else 0.0
+    return metrics
 
 
 def train_with_critic(
-    ctx: RLContext, samples: list[Sample], batch: TokenBatch, spec: LossSpec
+    ctx: RLContext,
+    samples: list[Sample],
+    batch: TokenBatch,
+    spec: LossSpec,
+    train_policy: bool = True,
 ) -> dict[str, float]:
-    """V_old, GAE, the policy's step on the whitened advantages, then the critic's step; the
+    """V_old, GAE, the policy's step on the whitened advantages (skipped in the critic's
+    warm-up, ``train_policy`` False: ``critic.warmup_steps``), then the critic's step; the
     trainer's metrics, ``critic/*``, and in a colocated placement the bytes the critic's turns
     moved (``memory/*``). The value model's state moves between the moments as the job's
-    ``critic_turns`` says (``runtime/critic_turns.py``); the turn ends as it began, also on a
-    failure."""
+    ``critic_turns`` says (``runtime/critic_turns.py``), the same in the warm-up; the turn ends
+    as it began, also on a failure."""
     a, turns = ctx.algorithm, ctx.job.critic_turns
     try:
         turns.scoring()
@@ -60,10 +117,10 @@ def train_with_critic(
         whitened = whiten(advantages, masks)
         policy = replace(batch, token_weights=tuple((0.0, *row) for row in whitened))
         turns.policy_training()
-        metrics = ctx.job.train_step(policy, spec)
         shifted = critic_batch(batch, [[0.0, *r] for r in targets], [[0.0, *v] for v in values])
-        turns.critic_training()
-        metrics |= train_critic(ctx, shifted)
+        metrics = train_policy_and_critic(
+            ctx, (lambda: ctx.job.train_step(policy, spec)) if train_policy else None, shifted
+        )
     finally:
         turns.done()
     moved = {f"memory/{k}_gb": v / 1e9 for k, v in turns.take_moved().items()}
@@ -74,5 +131,6 @@ def train_with_critic(
             "critic/explained_variance": explained_variance(values, targets, masks),
             "critic/value_mean": masked_mean(values, masks),
             "critic/return_mean": masked_mean(targets, masks),
+            "critic/warmup": float(not train_policy),
         }
     )

@@ -1,16 +1,20 @@
 """Prompts for the RL loop: built-in tasks, or JSONL, Parquet and HF ``datasets`` directories
 (read locally with pyarrow), shuffled deterministically, resumable.
 
-A row has ``prompt`` (text) or ``messages`` (chat), and optionally ``label`` and
-``data_source``; ``data.prompt_key``, ``messages_key``, ``label_key`` and ``data_source_key``
-name other fields. The chat template is the tokenizer's (``rl.context.PromptFeed``). Built-in
-tasks are generated locally from the seed (no downloads) and carry checkable labels:
+A row has ``prompt`` (text) or ``messages`` (chat; a message's content may be typed parts with
+images, read by ``rl/vision_prompts.py``), and optionally ``label`` and ``data_source``;
+``data.prompt_key``, ``messages_key``, ``label_key`` and ``data_source_key`` name other fields.
+The chat template is the tokenizer's (``rl.context.PromptFeed``). Built-in tasks are generated
+locally from the seed (no downloads) and carry checkable labels:
   arithmetic  "What is 17 + 25? ..."  label "42"           (reward builtin:exact_numeric)
   format      "... End with the line 'Answer: <word>'"      (reward builtin:format)
   word_problems  "Ann has 17 apples and buys 25 more. ..."  label "42", with a system prompt
                  offering the calculator of rollout.function: builtin:calculator
   code        "Write a Python function `add(a, b)` ..." with three assert ``tests``
                  (reward builtin:code_tests; rl/code_tasks.py)
+  shape_counting  an image of coloured shapes (PIL) and "How many red circles are in the
+                 image? ..."  label "2" (reward builtin:exact_numeric; a vision-language
+                 policy; rl/visual_tasks.py)
 A row's ``tests`` (for ``builtin:code_tests``) travel in its ``meta``.
 ``reasoning_gym:TASK[+TASK...]`` draws reasoning-gym's procedural tasks (``data.reasoning_gym``;
 ``rl/reasoning_gym_tasks.py``), each row carrying its task's entry for ``builtin:reasoning_gym``.
@@ -25,20 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_launch.rl import code_tasks
+from relax_launch.rl import code_tasks, visual_tasks
 from relax_launch.rl.data_config import PromptSource
+from relax_launch.rl.prompt import Prompt
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig, task_names
+from relax_launch.rl.vision_prompts import attach_images, image_parts, text_of
 
 WORDS = ("cat", "light", "tree", "blue", "rain", "sing", "moon", "day", "fun", "cold", "go", "red")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    index: int
-    messages: tuple[dict[str, str], ...]
-    label: str | None = None
-    data_source: str = "default"
-    meta: dict | None = None  # what a row's reward needs beyond its label (reasoning-gym's entry)
 
 
 @dataclass
@@ -115,6 +112,7 @@ BUILTIN_TASKS = {
     "format": format_task,
     "word_problems": word_problems,
     "code": code,
+    "shape_counting": visual_tasks.shape_counting,
 }
 BUILTIN_SIZE = 1000
 
@@ -150,6 +148,23 @@ def reasoning_gym_prompts(data: PromptSource) -> list[Prompt]:
         Prompt(i, ({"role": "user", "content": text},), label, task, meta)
         for i, (text, label, task, meta) in enumerate(rows)
     ]
+
+
+def question(prompt: Prompt) -> tuple[str, str]:
+    """A reasoning-gym row's task and question, whatever answer format the prompt adds."""
+    return prompt.data_source, (prompt.meta or {}).get("entry", {}).get("question", "")
+
+
+def held_out(
+    prompts: list[Prompt], held: PromptSource, training: list[Prompt], data: PromptSource
+) -> list[Prompt]:
+    """The eval ``prompts`` whose question the ``training`` prompts do not ask, when both are
+    reasoning-gym tasks: a small task (sums of one-digit numbers) draws the same question under
+    another seed. Other datasets are the user's split, kept as given."""
+    if not (held.dataset.startswith(PREFIX) and data.dataset.startswith(PREFIX)):
+        return prompts
+    trained = {question(p) for p in training}
+    return [p for p in prompts if question(p) not in trained]
 
 
 def read_rows(data: PromptSource) -> Iterator[tuple[str, Any]]:
@@ -218,7 +233,9 @@ def from_row(row: Any, index: int, where: str, data: PromptSource) -> Prompt:
     if isinstance(text, str) and text:
         messages: tuple[dict[str, str], ...] = ({"role": "user", "content": text},)
     elif isinstance(chat, list) and chat and all(_is_message(m) for m in chat):
-        messages = tuple({"role": m["role"], "content": m["content"]} for m in chat)
+        messages = tuple({"role": m["role"], "content": _content(m["content"])} for m in chat)
+        if any(p.get("type") == "image" and not p.get("image") for _, p in image_parts(messages)):
+            messages = attach_images(messages, row.get("images"), where)  # TRL's image column
     else:
         raise ValueError(
             f"{where}: needs a non-empty {data.prompt_key!r} string or {data.messages_key!r} list "
@@ -232,9 +249,25 @@ def from_row(row: Any, index: int, where: str, data: PromptSource) -> Prompt:
 
 
 def _is_message(message: Any) -> bool:
-    return (
-        isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message
+    """A chat message: a role and content, text or a list of typed parts (text, image,
+    image_url: ``rl/vision_prompts.py`` reads the images)."""
+    if not isinstance(message, dict) or "role" not in message:
+        return False
+    content = message.get("content")
+    parts = isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) for p in content
     )
+    return isinstance(content, str) or parts
+
+
+def _content(content: Any) -> Any:
+    """A message's content as a chat template reads it: text parts alone as one string; each
+    part without its None fields (Arrow gives every part of a column every struct field, and
+    Qwen2.5-VL's template takes a part with an ``image`` key for an image)."""
+    if isinstance(content, str):
+        return content
+    parts = [{k: v for k, v in part.items() if v is not None} for part in content]
+    return text_of(parts) if all(p["type"] == "text" for p in parts) else parts
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:

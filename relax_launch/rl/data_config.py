@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from relax_launch.config.section import Section
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 
-BUILTIN_DATASETS = ("arithmetic", "format", "word_problems", "code")
+BUILTIN_DATASETS = ("arithmetic", "format", "word_problems", "code", "shape_counting")
 
 
 class PromptSource(Section):
@@ -23,11 +23,14 @@ class PromptSource(Section):
 
     dataset: str = Field(
         "builtin:arithmetic",
-        description="builtin:arithmetic / format / word_problems / code, "
+        description="builtin:arithmetic / format / word_problems / code / shape_counting (an "
+        "image of coloured shapes and a count to give: for a vision-language trainer.model), "
         "reasoning_gym:TASK[+TASK...] (reasoning-gym's procedural tasks, see reasoning_gym), a "
         ".jsonl or .parquet file, or a directory: an HF datasets save_to_disk directory or a "
         "directory of Parquet files (the Hub's layout). Rows have a prompt (text) or messages "
-        "(chat), an optional label and data_source, and tests for builtin:code_tests.",
+        "(chat; content may be parts with images, and an images column fills image parts "
+        "without one: docs/vlm.md), an optional label and data_source, and tests for "
+        "builtin:code_tests.",
     )
     reasoning_gym: ReasoningGymConfig | None = Field(
         None,
@@ -159,6 +162,12 @@ class EvalConfig(Section):
         ge=0,
         description="Evaluate after every this-many steps, and after the last; 0: only "
         "after the last.",
+    )
+    before_training: bool = Field(
+        False,
+        description="Also evaluate the starting weights before the first step (metrics.jsonl's "
+        "step-0 row, eval scores only); a resumed run does not. Decoupled placement only, "
+        "not with algorithm.max_staleness.",
     )
     pass_threshold: float = Field(
         1.0, description="A sample whose summed reward reaches this passes (for pass@k)."

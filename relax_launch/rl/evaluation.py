@@ -10,7 +10,7 @@ from typing import Any
 
 from relax_launch.inference.inprocess import EngineClients
 from relax_launch.rl import rollout
-from relax_launch.rl.data import Prompt, load_prompts, prompt_ids
+from relax_launch.rl.data import Prompt, held_out, load_prompts, prompt_ids
 from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.rl.reasoning_gym_config import PREFIX
 from relax_launch.rl.rewards import Rewards
@@ -30,20 +30,38 @@ def average(values: list[float]) -> float:
 
 
 class Evaluation:
-    """The eval prompts, tokenized once (those over the prompt limit left out and counted), and
-    the response limit (``eval.sampling``'s, else ``data.max_response_tokens``)."""
+    """The eval prompts, tokenized once (those over the prompt limit left out and counted, and
+    those the training asks too, ``data.held_out``), and the response limit
+    (``eval.sampling``'s, else ``data.max_response_tokens``). ``training``: the training
+    prompts already read (read again from ``data`` when not given)."""
 
-    def __init__(self, config: EvalConfig, tokenizer: Any, data: DataConfig) -> None:
+    def __init__(
+        self,
+        config: EvalConfig,
+        tokenizer: Any,
+        data: DataConfig,
+        training: list[Prompt] | None = None,
+    ) -> None:
         self.config = config
         max_prompt_tokens = data.max_prompt_tokens
         self.max_tokens = config.sampling.max_response_tokens or data.max_response_tokens
-        prompts = load_prompts(config.data)[: config.max_prompts]
+        prompts = load_prompts(config.data)
+        if training is None and all(d.dataset.startswith(PREFIX) for d in (config.data, data)):
+            training = load_prompts(data)
+        kept = held_out(prompts, config.data, training or [], data)
+        self.seen_in_training = len(prompts) - len(kept)
+        prompts = kept[: config.max_prompts]  # the held-out rows up to the limit
         self.prompts: list[tuple[Prompt, list[int]]] = []
         for prompt in prompts:
             ids = prompt_ids(tokenizer, prompt)
             if len(ids) <= max_prompt_tokens:
                 self.prompts.append((prompt, ids))
         self.skipped = len(prompts) - len(self.prompts)
+        if not prompts:
+            raise ValueError(
+                f"eval.data.dataset {config.data.dataset}: every prompt is also a training "
+                "prompt (the task has few distinct questions): give it a larger task config"
+            )
         if not self.prompts:
             raise ValueError(
                 f"eval.data.dataset {config.data.dataset}: every prompt is longer than "
@@ -84,6 +102,7 @@ class Evaluation:
             "eval/samples_invalid": len(samples) - len(scored),
             "eval/prompts": len(self.prompts),
             "eval/skipped_long_prompts": self.skipped,
+            "eval/skipped_training_prompts": self.seen_in_training,
         }
         out |= {
             f"eval/{k}": v

@@ -9,12 +9,13 @@ from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.code_config import CodeTestsConfig
 from relax_launch.rl.code_pool import sandbox_problem, tests_problem
 from relax_launch.rl.config import RewardConfig
-from relax_launch.rl.data import Prompt, load_prompts
+from relax_launch.rl.data import Prompt, held_out, load_prompts
 from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.rl.environment_config import EnvironmentConfig
 from relax_launch.rl.environment_dataset import EnvironmentProblem, environment_prompts
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 from relax_launch.rl.rewards import load_function
+from relax_launch.rl.vision_prompts import image_parts, prompt_images
 
 
 def check_inputs(
@@ -23,9 +24,13 @@ def check_inputs(
     evaluation: EvalConfig | None = None,
     rollout_function: str | None = None,
     environment: EnvironmentConfig | None = None,
+    *,
+    vision: bool = False,
 ) -> list[Prompt]:
     """Raise ConfigError naming the field when the data, the eval data, a reward function or
-    the rollout function is unusable; returns the training prompts (rank 0 trains on them)."""
+    the rollout function is unusable; returns the training prompts (rank 0 trains on them).
+    ``vision``: the policy is a vision-language model, the only one that takes rows with
+    images (each of which must be readable)."""
     _reasoning_gym_tasks(data, evaluation)
     try:
         prompts = load_prompts(data) if environment is None else environment_prompts(environment)
@@ -37,7 +42,15 @@ def check_inputs(
         eval_prompts = load_prompts(evaluation.data) if evaluation is not None else []
     except (ValueError, OSError) as exc:
         raise ConfigError(f"eval.data.dataset: {exc}", ("eval.data.dataset",)) from None
+    if evaluation is not None and not held_out(eval_prompts, evaluation.data, prompts, data):
+        raise ConfigError(
+            f"eval.data.dataset {evaluation.data.dataset}: every prompt is also a training "
+            "prompt (the task has few distinct questions): give it a larger task config",
+            ("eval.data.dataset",),
+        )
     _code_sandboxes(reward, [("data", prompts), ("eval.data", eval_prompts)])
+    _image_rows("data", prompts, vision)
+    _image_rows("eval.data", eval_prompts, vision)
     for number, source in enumerate(reward.sources):
         if source.function is None:
             continue
@@ -59,6 +72,26 @@ def check_inputs(
                 ("rollout.function",),
             ) from None
     return prompts
+
+
+def _image_rows(field: str, prompts: list[Prompt], vision: bool) -> None:
+    """Every image of every row of ``field`` (data, eval.data) opens (a missing file, a remote
+    URL, bytes that are not an image: the row and the part named), and only a vision-language
+    policy gets any."""
+    for prompt in prompts:
+        if not image_parts(prompt.messages):
+            continue
+        if not vision:
+            raise ConfigError(
+                f"{field}.dataset: row {prompt.index} has image parts, and trainer.model is not "
+                "a vision-language model: train one (builtin:tiny-qwen2.5-vl, a Qwen2.5-VL "
+                "directory) or use text rows",
+                (f"{field}.dataset", "trainer.model"),
+            )
+        try:
+            prompt_images(prompt)
+        except ValueError as exc:
+            raise ConfigError(f"{field}.dataset: {exc}", (f"{field}.dataset",)) from None
 
 
 def _code_sandboxes(reward: RewardConfig, sections: list[tuple[str, list[Prompt]]]) -> None:

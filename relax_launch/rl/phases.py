@@ -154,7 +154,8 @@ def train(
             staleness = version - min(versions, default=version)
             spec = replace(spec, withhold_above=ctx.guard.withhold_above(staleness))
         if ctx.critic is not None:  # PPO with a value model: GAE, policy, then critic
-            return train_with_critic(ctx, samples, batch, spec) | {"train_skipped": 0}
+            policy = version >= ctx.critic.warmup_steps  # critic.warmup_steps: critic alone
+            return train_with_critic(ctx, samples, batch, spec, policy) | {"train_skipped": 0}
         return ctx.job.train_step(batch, spec) | {"train_skipped": 0}
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from relax_launch.config.job import JobConfig
 from relax_launch.console import operator_log
 from relax_launch.models.build import ensure_model
+from relax_launch.models.registry import is_vision_language
 from relax_launch.notify import Notifier
 from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import load_rollout_function
@@ -36,6 +37,7 @@ from relax_launch.rl.report import MetricsLog, metric_sinks
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.runner import run
 from relax_launch.rl.schedules import FullyAsync, OffPolicy, Schedule, Synchronous
+from relax_launch.rl.vision_prompts import VisionEncoder
 from relax_launch.run_dir import JOB_RECORD
 from relax_launch.trainer.model import read_shape
 
@@ -105,12 +107,12 @@ def rl_context(
         generator = functools.partial(agent.generate, function=function, tokenizer=tokenizer)
     evaluation = None
     if job.eval is not None:
-        evaluation = Evaluation(job.eval, tokenizer, job.data)
+        evaluation = Evaluation(job.eval, tokenizer, job.data, stream.prompts)
     return RLContext(
         job=session,
         algorithm=job.algorithm,
         data=job.data,
-        feed=PromptFeed(stream, tokenizer, job.data, skipped),
+        feed=PromptFeed(stream, tokenizer, job.data, skipped, vision_encoder(job)),
         tokenizer=tokenizer,
         rewards=Rewards(job.reward, judge=judge),
         log=log,
@@ -130,6 +132,14 @@ def rl_context(
         notifier=Notifier(job.logging.notify, job.name),
         critic=job.critic,
     )
+
+
+def vision_encoder(job: JobConfig) -> VisionEncoder | None:
+    """A vision-language policy's prompt encoder (its processor: token ids with the images'
+    placeholders, patches), else None."""
+    if not is_vision_language(job.trainer.model):
+        return None
+    return VisionEncoder(ensure_model(job.trainer.model))
 
 
 def policy_exports(job: JobConfig) -> PolicyExports:

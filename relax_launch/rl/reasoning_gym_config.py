@@ -13,6 +13,12 @@ from relax_launch.config.patterns import checked_pattern
 from relax_launch.config.section import Section
 
 PREFIX = "reasoning_gym:"
+# reasoning-gym draws row i of a dataset from Random(seed + i): seeds s and s+1 would share all
+# rows but one. A data seed maps to its own block of ROWS_PER_SEED generator seeds, so the rows of
+# two data seeds (training and eval) come from disjoint generator seeds; below 2**31 because
+# some tasks seed NumPy (which refuses 2**32 and over) with seed + i.
+ROWS_PER_SEED = 2**20
+SEED_BLOCKS = 2**31 // ROWS_PER_SEED
 ANSWER_FORMAT = (
     "Think briefly, then give your final answer inside <answer></answer> tags, "
     "e.g. <answer>42</answer>."
@@ -22,7 +28,9 @@ ANSWER_FORMAT = (
 class ReasoningGymConfig(Section):
     """reasoning-gym's procedural tasks as prompts (no downloads)."""
 
-    size: int = Field(1000, ge=1, description="Rows generated of each task.")
+    size: int = Field(
+        1000, ge=1, le=ROWS_PER_SEED, description="Rows generated of each task (at most 2^20)."
+    )
     tasks: dict[str, dict[str, Any]] = Field(
         {},
         description="Each task's own config (reasoning-gym's fields of that task, e.g. "
@@ -48,3 +56,9 @@ class ReasoningGymConfig(Section):
 def task_names(dataset: str) -> list[str]:
     """The tasks of ``reasoning_gym:A+B``."""
     return dataset[len(PREFIX) :].split("+")
+
+
+def generator_seed(seed: int) -> int:
+    """The reasoning-gym seed of a data seed's rows: its own block of ``ROWS_PER_SEED``, so
+    data seeds that differ modulo ``SEED_BLOCKS`` draw no row from the same generator seed."""
+    return (seed % SEED_BLOCKS) * ROWS_PER_SEED

@@ -18,7 +18,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
 from relax_launch.config.patterns import last_group
-from relax_launch.rl.reasoning_gym_config import ReasoningGymConfig, task_names
+from relax_launch.rl.reasoning_gym_config import ReasoningGymConfig, generator_seed, task_names
 
 
 @functools.cache
@@ -48,11 +48,12 @@ def rows(
     answer_format: str,
     answer_pattern: str,
 ) -> list[tuple[str, str, str, dict[str, Any]]]:
-    """(prompt text, label, task, meta) of ``size`` entries of each task, from ``seed``."""
+    """(prompt text, label, task, meta) of ``size`` entries of each task, from ``seed``'s own
+    generator seeds (``generator_seed``: another data seed shares none of its rows' seeds)."""
     out = []
     for task in tasks:
         dataset = reasoning_gym.create_dataset(
-            task, size=size, seed=seed, **task_config.get(task, {})
+            task, size=size, seed=generator_seed(seed), **task_config.get(task, {})
         )
         for entry in dataset:
             text = f"{entry['question']}\n\n{answer_format}" if answer_format else entry["question"]

@@ -126,14 +126,17 @@ def metric_sinks(
 
 
 class TensorBoardSink:
-    """Scalars in ``{log_dir}/events.out.tfevents.*``, a new file per launch. A launch at step S
-    (resumed from a checkpoint, or S = 0) hides the events of earlier files from step S+1 on
-    (TensorBoard's purge_step), so steps run again after a crash are not shown twice."""
+    """Scalars in ``{log_dir}/events.out.tfevents.*``, a new file per launch. A launch resumed
+    from a checkpoint at step S hides the events of earlier files from step S+1 on (TensorBoard's
+    purge_step), so steps run again after a crash are not shown twice; a launch from step 0 hides
+    all of them, step 0 (eval.before_training's row) included."""
 
     def __init__(self, log_dir: Path, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter  # rank 0 only, when enabled
 
-        self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1)
+        # purge_step P hides the earlier files' events at steps >= P. A resumed launch writes
+        # from S+1 on; a fresh one may write step 0 (eval.before_training), so it hides them all.
+        self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step else 0)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         for tag, value in scalars.items():
@@ -231,7 +234,8 @@ class StepProgress:
             parts.append(f"KL-ref {m['kl_ref']:.4f}")
         if "critic/value_loss" in m:  # PPO's value model (advantage gae)
             v_loss, explained = m["critic/value_loss"], m["critic/explained_variance"]
-            parts.append(f"V-loss {v_loss:.4f} EV {explained:.2f}")
+            warming = " (critic warm-up)" if m.get("critic/warmup") else ""
+            parts.append(f"V-loss {v_loss:.4f} EV {explained:.2f}{warming}")
         if m.get("staleness"):
             parts.append(f"stale {int(m['staleness'])}")
         if "agent/turns" in m:
@@ -258,18 +262,19 @@ class StepProgress:
 
 def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> str:
     """First vs last rewards (means over the first and last quarter of the steps)."""
-    k = max(1, len(history) // 4)
+    trained = [r for r in history if "time/step" in r]  # not eval.before_training's row
+    k = max(1, len(trained) // 4)
 
     def mean(rows: list[dict[str, float]], key: str) -> float:
         values = [r[key] for r in rows if key in r and not math.isnan(r[key])]
         return sum(values) / len(values) if values else float("nan")
 
-    lines = [f"relax-launch: finished {len(history)} steps"]
+    lines = [f"relax-launch: finished {len(trained)} steps"]
     for key in ("reward", "reverse_kl", "kl_ref", "critic/value_loss", "tokens_per_s", "time/step"):
         if any(key in r for r in history):
             lines.append(
-                f"  {key:<14} first {k}: {mean(history[:k], key):9.4f}   "
-                f"last {k}: {mean(history[-k:], key):9.4f}"
+                f"  {key:<14} first {k}: {mean(trained[:k], key):9.4f}   "
+                f"last {k}: {mean(trained[-k:], key):9.4f}"
             )
     evaluated = [r for r in history if "eval/reward" in r]
     if evaluated:
@@ -281,13 +286,17 @@ def summary(history: list[dict[str, float]], metrics_path: Path, plot: Path) -> 
             + f"   step {int(last['step'])}: "
             + ", ".join(f"{k.removeprefix('eval/')} {last[k]:.4f}" for k in scores)
         )
-    share = {p: sum(r.get(f"time/{p}", 0.0) for r in history) for p in PHASE_KEYS}
+    # Shares of the trained steps' time; eval.before_training's row has no time/step: its own line
+    share = {p: sum(r.get(f"time/{p}", 0.0) for r in trained) for p in PHASE_KEYS}
     share["turns"] = sum(  # split/defer: onloads and offloads between the roles' phases
-        v for r in history for k, v in r.items() if k.startswith(("time/onload_", "time/offload_"))
+        v for r in trained for k, v in r.items() if k.startswith(("time/onload_", "time/offload_"))
     )
-    total = sum(r["time/step"] for r in history) or 1.0
+    total = sum(r["time/step"] for r in trained) or 1.0
     shares = "  ".join(f"{p} {v / total:.0%}" for p, v in share.items() if v)
     lines.append("  time share     " + shares)
+    before = sum(r.get("time/eval", 0.0) for r in history if "time/step" not in r)
+    if before:
+        lines.append(f"  eval before    {before:.1f}s (before step 1, not in the shares)")
     if share["wait"] or any(r.get("staleness") for r in history):
         lines.append("                 (off-policy: rollout, teacher and reward overlap train)")
     lines.append(f"  metrics: {metrics_path}   curves: {plot}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
+from relax_launch.rl.vision_prompts import text_of
 
 if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
     import torch
@@ -59,8 +60,8 @@ def generate(
     if routing is not None:
         body["return_routed_experts"] = True
     calls = [
-        ("/generate", {"input_ids": ids, **body}, f"g{g}")
-        for g, (_, ids) in enumerate(prompts)
+        ("/generate", {**prompt_inputs(prompt, ids), **body}, f"g{g}")
+        for g, (prompt, ids) in enumerate(prompts)
         for _ in range(n)
     ]
     replies = _gather(engines, "rollout", calls)
@@ -69,6 +70,18 @@ def generate(
         for sample, reply in zip(samples, replies, strict=True):
             sample.routed_experts = routed_experts(sample, reply["meta_info"], routing)
     return samples
+
+
+def prompt_inputs(prompt: Prompt, ids: list[int]) -> dict[str, Any]:
+    """A ``/generate`` body's prompt: its token ids, or for a prompt with images the chat
+    template's ids (one placeholder per image, which the engine expands) and the images."""
+    if prompt.images is None:
+        return {"input_ids": ids}
+    return {
+        "input_ids": list(prompt.images.engine_ids),
+        "image_data": list(prompt.images.urls),
+        "return_prompt_token_ids": True,  # checked against the trainer's (``reply_sample``)
+    }
 
 
 def routed_experts(sample: Sample, meta: dict[str, Any], shape: ModelShape) -> torch.Tensor:
@@ -98,9 +111,17 @@ def routed_experts(sample: Sample, meta: dict[str, Any], shape: ModelShape) -> t
 def reply_sample(group: int, prompt: Prompt, ids: list[int], reply: dict[str, Any]) -> Sample:
     """The sample of one engine reply to ``prompt`` (whose token ids are ``ids``)."""
     meta = reply["meta_info"]
+    if prompt.images is not None and reply.get("prompt_token_ids") != ids:
+        engine = reply.get("prompt_token_ids")
+        raise RuntimeError(
+            f"the rollout engine's token ids of prompt {prompt.index} (with its images expanded: "
+            f"{'none returned' if engine is None else f'{len(engine)} tokens'}) are not the "
+            f"trainer's ({len(ids)} tokens): their processors differ (the engine's must be the "
+            "model directory's)"
+        )
     return Sample(
         group=group,
-        question=prompt.messages[-1]["content"],
+        question=text_of(prompt.messages[-1]["content"]),
         label=prompt.label,
         prompt_ids=list(ids),
         response_ids=list(reply["output_ids"]),
@@ -110,6 +131,7 @@ def reply_sample(group: int, prompt: Prompt, ids: list[int], reply: dict[str, An
         finish_reason=(meta.get("finish_reason") or {}).get("type", ""),
         data_source=prompt.data_source,
         meta=prompt.meta,
+        images=None if prompt.images is None else prompt.images.rows,
     )
 
 

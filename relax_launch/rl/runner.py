@@ -19,7 +19,7 @@ from relax_launch.rl.evaluation import Evaluation
 from relax_launch.rl.exports import export_policy
 from relax_launch.rl.interfaces import StepAbandoned
 from relax_launch.rl.phases import timed
-from relax_launch.rl.report import StepProgress
+from relax_launch.rl.report import StepProgress, is_eval_score
 from relax_launch.rl.schedules import Schedule
 
 STOP_NOTICE_S = 3.0  # a step that fails waits this long for a stop request that explains it
@@ -52,6 +52,8 @@ def run(
     stop.listeners.append(ctx.job.engines.cancel_all)  # a stop drops every generation in flight
     stop.stepping = True  # from now on a stop saves what the steps did
     try:
+        if evaluation is not None and evaluation.config.before_training and start_step == 0:
+            evaluate_start(ctx, evaluation, history)
         stopped, done, cursor = run_steps(ctx, schedule, num_steps, start_step, history, evaluation)
     finally:
         schedule.close()
@@ -145,6 +147,26 @@ def record(
                 result.metrics |= evaluation.run(ctx.job.engines, ctx.rewards)
         except StepAbandoned:  # the step is done, its evaluation is not
             pass
+
+
+def evaluate_start(ctx: RLContext, evaluation: Evaluation, history: list[dict[str, float]]) -> None:
+    """``eval.before_training``: the starting weights' scores (the engines' first sync) as
+    the step-0 row, so a run's eval curve starts where training did."""
+    seconds: dict[str, float] = {}
+    try:
+        with timed(seconds, "eval"), ctx.job.stop.abandonable():
+            scores = evaluation.run(ctx.job.engines, ctx.rewards)
+    except StepAbandoned:  # stopped before the first step: nothing to record
+        return
+    row = {"step": 0, **scores, "time/eval": seconds["eval"]}
+    history.append(row)
+    ctx.log.write(row)
+    operator_log().info(
+        "relax-launch: eval before training | "
+        + ", ".join(
+            f"{k.removeprefix('eval/')} {v:.3f}" for k, v in scores.items() if is_eval_score(k)
+        )
+    )
 
 
 def step_times(main_thread: dict[str, float], wall_s: float) -> dict[str, float]:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from relax_launch.trainer.batch import RowImages
+
 
 @dataclass
 class TurnTokens:
@@ -58,3 +60,5 @@ class Sample:
     # routing replay: the experts the engine routed each input token to, per MoE layer
     # (int32 [prompt + response tokens - 1, MoE layers, top-k]; ``rollout.routed_experts``)
     routed_experts: torch.Tensor | None = None
+    # a vision-language policy's prompt images (patches, grids), for the trainer
+    images: RowImages | None = None

@@ -6,8 +6,7 @@ form) and a question: "How many red circles are in the image?"; its label is the
 cells, each empty or holding one shape of a pure colour (so ``count_shapes`` reads the answer
 back from the pixels), small enough for the tiny Qwen2.5-VL (36 patches, 9 tokens).
 
-Not yet a ``data.dataset`` choice: RL jobs do not carry images to the engines and trainer yet
-(docs/vlm.md).
+``data.dataset: builtin:shape_counting`` (for a vision-language policy, docs/vlm.md).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import io
 import random
 from typing import Any
 
-from relax_launch.rl.data import Prompt
+from relax_launch.rl.prompt import Prompt
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255), "yellow": (255, 200, 0)}
 KINDS = ("circle", "square", "triangle")

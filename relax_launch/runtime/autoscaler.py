@@ -21,11 +21,13 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from relax_launch.deadline import Deadline
 from relax_launch.inference.config import (
     AutoscaleConfig,
     InferenceRoleConfig,
@@ -43,6 +45,8 @@ from relax_launch.runtime.autoscale_policy import (
     RolloutPhase,
     Scaling,
 )
+
+READERS = 16  # engines' loads read at once
 
 
 class Autoscaler:
@@ -121,12 +125,7 @@ class LoadAutoscaler(Autoscaler):
                 self.tick(self.read(), time.monotonic())
 
     def read(self) -> Load:
-        queued = running = 0.0
-        for engine in self.manager.serving():
-            load = engine_load(engine.url)
-            if load is not None:
-                queued, running = queued + load.queued, running + load.running
-        return Load(queued, running, self.manager.requests.in_flight())
+        return read_loads({self.role: self.manager})[self.role]
 
     def tick(self, load: Load, now: float) -> dict[str, Any] | None:
         """One reading: the decision taken (also logged), or None."""
@@ -195,6 +194,26 @@ def autoscaler_for(
     (``runtime/autoscale_policy.py`` says why)."""
     kind = PhaseAutoscaler if role == "rollout" else LoadAutoscaler
     return kind(role, section.autoscale, section.autoscale_bounds, scaler, manager, log_path)
+
+
+def read_loads(managers: dict[str, InferenceManager], timeout_s: float = 2.0) -> dict[str, Load]:
+    """Each role's load: its serving engines' own (``/v1/loads``), every engine of every role
+    read at once, the whole reading bounded by ``timeout_s`` (an engine that has not answered
+    by then counts nothing), and the requests in flight to the role."""
+    engines = [(role, e.url) for role, m in managers.items() for e in m.serving()]
+    totals = {role: [0.0, 0.0] for role in managers}
+    if engines:
+        deadline = Deadline(timeout_s)
+        pool = ThreadPoolExecutor(max_workers=min(len(engines), READERS))
+        reads = [pool.submit(engine_load, url, timeout_s) for _, url in engines]
+        wait(reads, timeout=deadline.left())
+        pool.shutdown(wait=False, cancel_futures=True)  # a late reply is dropped, not waited on
+        for (role, _), read in zip(engines, reads, strict=True):
+            load = read.result() if read.done() and not read.cancelled() else None
+            if load is not None:
+                totals[role][0] += load.queued
+                totals[role][1] += load.running
+    return {role: Load(*totals[role], managers[role].requests.in_flight()) for role in managers}
 
 
 def request_and_log(scaler: Any, record: dict[str, Any], log_path: Path) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""The value model's commands (PPO's critic on the trainer's ranks): the records rank 0 sends,
-the worker that answers them on each trainer rank, and rank 0's typed client. Batches go
-beside the commands over the ``ShardChannel``, as the trainer's do; per-token values come back
-from each DP rank's tp0 rank the way logprobs do.
+"""The value model's commands (PPO's critic on the trainer's ranks, or on ranks of its own): the
+records rank 0 sends, the worker that answers them on each of its ranks, and rank 0's typed
+client. Batches go beside the commands over a ``ShardChannel`` (the trainer's, or one over the
+critic's own grid), as the trainer's do; per-token values come back from each DP rank's tp0
+rank the way logprobs do. On ranks of its own, rank 0 posts the critic's steps and goes on to
+the policy's: both train at once (``start_training``, ``finish_training``).
 
 In a colocated placement the value model lives in host memory between the trainer's turns: it
 is offloaded once built, and rank 0 moves its parts in and out within the turn
@@ -10,6 +12,7 @@ or load brings the parts it needs back for its own duration."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -18,15 +21,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from relax_launch.models.build import ensure_model
-from relax_launch.runtime.control import Command, Handler
-from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.runtime.control import Command, Handler, Posted
+from relax_launch.runtime.distributed import CONTROLLER, ShardChannel, Transfer
 from relax_launch.runtime.trainer_client import TrainerClient, moved_by_ranks
 from relax_launch.trainer.batch import ShardShape, TokenBatch
-from relax_launch.trainer.critic import Critic
+from relax_launch.trainer.critic import STEP_SECONDS, Critic
 from relax_launch.trainer.offload import PARTS, StateOffloader
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class OnloadCritic(Command):
 
 
 class CriticWorker:
-    """This trainer rank's share of the value model (``trainer/critic.py``); ``colocated``: it
+    """This rank's share of the value model (``trainer/critic.py``); ``colocated``: it
     goes to host memory once built, the engines being about to take the device."""
 
     def __init__(self, *, critic: Any, shards: ShardChannel, colocated: bool = False) -> None:
@@ -105,9 +110,22 @@ class CriticWorker:
             self.shards.send_result(rows, shape)
 
     def train_step(self, command: CriticTrainStep) -> dict[str, float]:
+        """One step's metrics, with how long it took on this rank (``STEP_SECONDS``: a
+        duration, which rank 0 sets beside the policy's on ranks of its own); logged by the
+        rank whose reply rank 0 reads (tp 0, dp 0), not by each of the critic's ranks."""
+        started = time.monotonic()
         shard = self.shards.receive(command.shapes[self.shards.dp_rank])
         self.offloader.require("critic.train_step", PARTS)
-        return self.critic.train_step(shard, command.value_clip)
+        metrics = self.critic.train_step(shard, command.value_clip)
+        if self.shards.rank == self.shards.result_rank(0):  # the one whose reply rank 0 reads
+            log.info(
+                "critic step %d: value loss %.6g, clip fraction %.3g, grad norm %.4g",
+                self.critic.step,
+                metrics["critic/value_loss"],
+                metrics["critic/clip_fraction"],
+                metrics["critic/grad_norm"],
+            )
+        return metrics | {STEP_SECONDS: time.monotonic() - started}
 
     def move(self, action: str, parts: Iterable[str]) -> dict[str, float]:
         """Offload or onload ``parts``: the bytes moved and the seconds it took."""
@@ -138,7 +156,7 @@ class CriticWorker:
 
 
 class CriticClient(TrainerClient):
-    """Rank 0's typed proxy for the value model on the trainer ranks."""
+    """Rank 0's typed proxy for the value model, on the trainer's ranks or its own."""
 
     def values(self, batch: TokenBatch) -> list[list[float]]:
         """Per-token values of ``tokens[:-1]`` positions of every sequence, in batch order."""
@@ -148,9 +166,32 @@ class CriticClient(TrainerClient):
     def train(self, batch: TokenBatch, value_clip: float | None) -> dict[str, float]:
         """One value-model step; the metrics of the first trainer rank (every rank reports the
         batch's, reduced over data-parallel ranks)."""
-        shards = batch.shards(self.layout.dp_size)
-        command = CriticTrainStep(tuple(s.shape() for s in shards), value_clip)
-        return self._with_shards(command, shards)[0][self._last_stage_rank()]
+        return self.finish_training(self.start_training([batch], value_clip))[0]
+
+    def start_training(
+        self, batches: list[TokenBatch], value_clip: float | None
+    ) -> list[tuple[Posted, Transfer]]:
+        """Post one value-model step per batch, in order, and send their shards; the ranks
+        train them while rank 0 goes on (``finish_training`` collects them). Several at once
+        only on ranks of its own: rank 0 holds one shard of its own at a time."""
+        if len(batches) > 1 and CONTROLLER in self.layout.ranks:
+            raise ValueError("several critic steps in flight need the critic's own ranks")
+        started = []
+        for batch in batches:
+            shards = batch.shards(self.layout.dp_size)
+            command = CriticTrainStep(tuple(s.shape() for s in shards), value_clip)
+            posted = self.channel.post(command, self.layout.ranks)
+            started.append((posted, self.shards.start(shards)))
+        return started
+
+    def finish_training(self, started: list[tuple[Posted, Transfer]]) -> list[dict[str, float]]:
+        """Each started step's metrics (with ``STEP_SECONDS``), in order."""
+        steps = []
+        for posted, transfer in started:
+            replies = self.channel.collect(posted, self.local.get(posted.command.route))
+            self.shards.finish(transfer)
+            steps.append(replies[self._last_stage_rank()])
+        return steps
 
     def save(self, directory: str) -> list[str]:
         return [path for path in self._call(SaveCritic(directory)).values() if path]
@@ -168,10 +209,15 @@ class CriticClient(TrainerClient):
 
 
 def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> CriticWorker:
-    """This trainer rank's share of the value model, built from ``critic.model`` (default the
-    policy's) with the trainer's layout (``CriticConfig.trainer_section``)."""
+    """This rank's share of the value model, built from ``critic.model`` (default the
+    policy's) with the trainer's layout, or its own on ranks of its own
+    (``CriticConfig.trainer_section``)."""
     section = job.critic.trainer_section(job.trainer)
     critic = Critic(
-        section=section, model_dir=ensure_model(section.model), pgc=pgc, device=job.cluster.device
+        section=section,
+        model_dir=ensure_model(section.model),
+        pgc=pgc,
+        device=job.cluster.device,
+        tp_field="critic.tp_size" if job.critic.own_ranks else "trainer.tp_size",
     )
     return CriticWorker(critic=critic, shards=shards, colocated=job.placement.mode != "decoupled")

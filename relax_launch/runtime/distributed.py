@@ -175,7 +175,7 @@ class ShardChannel:
             for tensor in tensors:
                 dist.broadcast(tensor, src=first, group=self.peers)
         self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return TokenBatch.unpack(*tensors, shape)
+        return TokenBatch.unpack(tensors[0], tensors[1], shape, *tensors[2:])
 
     def send_result(self, rows: list[list[float]] | None, shape: ShardShape) -> None:
         """A trainer rank: on its DP rank's result rank, the shard's per-token values, row after

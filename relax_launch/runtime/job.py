@@ -74,23 +74,29 @@ def build_workers(
     job: JobConfig,
     plan: PlacementPlan,
     rank: int,
-    pgc: Any,
-    shards: ShardChannel,
+    trainer: tuple[Any, ShardChannel],
+    critic: tuple[Any, ShardChannel | None],
     workers: list[Any],
     clock: StartupClock,
     store: Any,
 ) -> None:
-    """Add this rank's trainer share, if it has one, to ``workers`` (its engines; the caller
-    closes them all), then wait for each engine's first token. A staggered start brings the
-    engines up, role by role, and parks them before the trainer builds."""
+    """Add this rank's trainer share or share of a critic on ranks of its own, if it has one,
+    to ``workers`` (its engines; the caller closes them all), then wait for each engine's first
+    token (``trainer``, ``critic``: each one's groups and shard channel). A staggered start
+    brings the engines up, role by role, and parks them before the trainer builds."""
     engines = list(workers)  # so far, only engines
     if job.starts_staggered:
         start_in_waves(job, plan, rank, store, engines, clock)
-    if any(a.role == "trainer" for a in plan.ranks[rank].assignments):
-        workers.append(trainer_worker(job, plan, rank, pgc, shards))
-        if job.critic is not None:  # PPO's value model shares the trainer's ranks
-            workers.append(build_critic_worker(job, pgc, shards))
+    roles = {a.role for a in plan.ranks[rank].assignments}
+    if "trainer" in roles:
+        workers.append(trainer_worker(job, plan, rank, *trainer))
+        if job.critic is not None and plan.critic is None:  # it shares the trainer's ranks
+            workers.append(build_critic_worker(job, *trainer))
         clock.mark("trainer built")
+    if "critic" in roles:  # PPO's value model on ranks of its own
+        platform.use_threads(job.cluster.device, cpu_threads(job, plan, rank, "critic"))
+        workers.append(build_critic_worker(job, *critic))
+        clock.mark("critic built")
     for engine in (e for e in engines if e.running and not job.starts_staggered):
         engine.wait_ready(job.cluster.startup_timeout_s)
         clock.mark(f"{engine.engine.role} engine {engine.engine.index} ready")
@@ -216,23 +222,30 @@ def build_rank(
     workers: list[Any],
     clock: StartupClock,
     store: Any,
-) -> tuple[dict[str, Any], ShardChannel]:
-    """Trainer groups, Megatron's set-up and this rank's workers (into ``workers``); returns the
-    handlers of every command this rank answers, and the shard channel."""
-    pgc = build_trainer_groups(plan.trainer, platform.dist_backend(job.cluster.device))
-    if rank == 0 or any(a.role == "trainer" for a in plan.ranks[rank].assignments):
-        tp_rank = pgc.tp.rank() if pgc is not None else 0
+) -> tuple[dict[str, Any], ShardChannel, ShardChannel | None]:
+    """Trainer groups (and a critic's on ranks of its own), Megatron's set-up and this rank's
+    workers (into ``workers``); returns the handlers of every command this rank answers, and
+    the trainer's and the critic's shard channels."""
+    backend = platform.dist_backend(job.cluster.device)
+    pgc = build_trainer_groups(plan.trainer, backend)
+    # every rank creates the critic's groups too, after the trainer's: the same order on all
+    critic_pgc = build_trainer_groups(plan.critic, backend) if plan.critic is not None else None
+    mine = pgc if pgc is not None else critic_pgc  # the trainer's or the critic's, not both
+    if rank == 0 or mine is not None:
+        tp_rank = mine.tp.rank() if mine is not None else 0
         platform.prepare_megatron(job.cluster.device, job.trainer.seed, tp_rank)
-    shards = ShardChannel(
-        plan.trainer,
-        rank,
-        platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank),
-        pgc.shard_peers if pgc is not None else None,
+    device = platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank)
+    shards = ShardChannel(plan.trainer, rank, device, pgc.shard_peers if pgc else None)
+    critic_shards = None
+    if plan.critic is not None:
+        peers = critic_pgc.shard_peers if critic_pgc else None
+        critic_shards = ShardChannel(plan.critic, rank, device, peers)
+    build_workers(
+        job, plan, rank, (pgc, shards), (critic_pgc, critic_shards), workers, clock, store
     )
-    build_workers(job, plan, rank, pgc, shards, workers, clock, store)
     handlers = {k: v for w in workers for k, v in w.handlers().items()}
     handlers[StartupMarks.op] = lambda command: clock.marks
-    return handlers, shards
+    return handlers, shards, critic_shards
 
 
 def adapter_serving(job: JobConfig) -> AdapterServing | None:
@@ -250,7 +263,7 @@ def run_controller(
     plan: PlacementPlan,
     program: Program,
     channel: ControlChannel,
-    shards: ShardChannel,
+    shards: tuple[ShardChannel, ShardChannel | None],
     handlers: dict[str, Any],
     control_plane: ControlPlane | None,
     console: Any,
@@ -326,7 +339,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
         clock.mark("process group")
         if rank == 0:
             control_plane = start_control_plane(job, plan)
-        handlers, shards = build_rank(job, plan, rank, workers, clock, store)
+        handlers, shards, critic_shards = build_rank(job, plan, rank, workers, clock, store)
         channel = ControlChannel(
             store, rank=rank, roles=role_labels(plan), timeout_s=job.cluster.collective_timeout_s
         )
@@ -337,7 +350,7 @@ def run_rank(job: JobConfig, plan: PlacementPlan, program: Program) -> Any:
             plan,
             program,
             channel,
-            shards,
+            (shards, critic_shards),
             handlers,
             control_plane,
             console,

@@ -30,6 +30,8 @@ from relax_launch.inference.disaggregation import ALONE, PrefillTarget, bootstra
 from relax_launch.inference.engine import EngineControl, EngineHandle, result
 from relax_launch.inference.policy_adapter import adapter_name
 from relax_launch.models.build import ensure_model
+from relax_launch.models.registry import is_vision_language
+from relax_launch.runtime.image_probe import ImageProbe, image_probe
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.weights.parity import (
     EngineGap,
@@ -95,8 +97,10 @@ class ParityProbe:
         colocated: bool,
         adapters: bool,
         timeout_s: float,
+        image: ImageProbe | None = None,
     ) -> None:
         self.sequences, self.tolerance = sequences, tolerance
+        self.image = image  # a vision-language policy's image sequence (runtime/image_probe.py)
         self.trainer_logprobs = trainer_logprobs  # the trainer's forward of the RL step
         self.colocated, self.adapters, self.timeout_s = colocated, adapters, timeout_s
         self.pending: Pending | None = None
@@ -116,8 +120,7 @@ class ParityProbe:
         began = time.perf_counter()
         scoring = [] if self.colocated else self._submit(version, targets, control)
         decoding = [] if self.colocated else self._submit_decodes(version, targets, control)
-        batch = TokenBatch.next_token(self.sequences, [1] * len(self.sequences))
-        rows = self.trainer_logprobs(batch)
+        rows = self.trainer_logprobs(self._trainer_batch())
         self.trainer_s = time.perf_counter() - began
         pending = Pending(version, rows, targets, synced_summary(reports), 0.0)
         if self.colocated:
@@ -133,20 +136,37 @@ class ParityProbe:
             began = time.perf_counter() - pending.seconds  # the trainer's half counts too
             self._judge(pending, self._submit(pending.version, pending.targets, control), began)
 
+    def _trainer_batch(self) -> TokenBatch:
+        """The text sequences and, for a vision-language policy, the image sequence as many
+        times (the batch then splits over DP ranks and micro-batches as the text alone does)."""
+        text = TokenBatch.next_token(self.sequences, [1] * len(self.sequences))
+        if self.image is None:
+            return text
+        count = len(self.sequences)
+        image = TokenBatch.next_token([self.image.ids] * count, [1] * count)
+        return TokenBatch(
+            text.tokens + image.tokens,
+            text.loss_mask + image.loss_mask,
+            text.token_weights + image.token_weights,
+            images=(None,) * count + (self.image.images,) * count,
+        )
+
     def _submit(
         self, version: int, targets: list[ProbeTarget], control: EngineControl
-    ) -> list[tuple[EngineTarget, Future]]:
-        """Every engine's scoring request, started now (decode halves generate instead)."""
-        return [
-            (
-                t.engine,
-                control.submit(
-                    t.engine.url, "/generate", self._body(version, t.half), self.timeout_s
-                ),
-            )
-            for t in targets
-            if t.half != "decode"
-        ]
+    ) -> list[tuple[EngineTarget, Future, Future | None]]:
+        """Every engine's scoring requests (text; the image sequence), started now (decode
+        halves generate instead)."""
+        started = []
+        for t in (t for t in targets if t.half != "decode"):
+            body = self._body(version, t.half)
+            text = control.submit(t.engine.url, "/generate", body, self.timeout_s)
+            image = None
+            if self.image is not None:
+                extra = {k: v for k, v in body.items() if k == "lora_path"}
+                image_body = self.image.request(extra)
+                image = control.submit(t.engine.url, "/generate", image_body, self.timeout_s)
+            started.append((t.engine, text, image))
+        return started
 
     def _submit_decodes(
         self, version: int, targets: list[ProbeTarget], control: EngineControl
@@ -178,24 +198,35 @@ class ParityProbe:
     def _judge(
         self,
         pending: Pending,
-        scoring: list[tuple[EngineTarget, Future]],
+        scoring: list[tuple[EngineTarget, Future, Future | None]],
         began: float,
         decoding: list[Decoding] = (),
     ) -> None:
         """The engines' replies against the trainer's rows; the probe's metrics; the error
         naming every engine beyond the tolerance."""
-        replies = [(t.label, result(call, self.timeout_s)) for t, call in scoring]
-        gaps = [
-            largest_gap(label, pending.trainer_rows, engine_rows(reply, self.sequences))
-            for label, reply in replies
+        count, wait = len(self.sequences), self.timeout_s
+        replies = [
+            (t.label, result(text, wait), image and result(image, wait))
+            for t, text, image in scoring
         ]
-        gaps += [self._decode_gap(d) for d in decoding]
+        text_rows = pending.trainer_rows[:count]
+        gaps = [
+            largest_gap(label, text_rows, engine_rows(reply, self.sequences))
+            for label, reply, _ in replies
+        ]
+        image_gaps = []
+        if self.image is not None:  # the image sequence's first row (the others: the same)
+            image_row = pending.trainer_rows[count]
+            image_gaps = [self.image.gap(label, image_row, reply) for label, _, reply in replies]
+        gaps += image_gaps + [self._decode_gap(d) for d in decoding]
         self.last = {
             "sync/parity_gap": max((g.gap for g in gaps), default=0.0),
             "sync/probe_s": time.perf_counter() - began,
             "sync/probe_trainer_s": self.trainer_s,  # its first half, the engines' alongside
             "sync/probe_decode_halves": float(len(decoding)),
         }
+        if image_gaps:
+            self.last["sync/parity_gap_image"] = max(g.gap for g in image_gaps)
         failed = [g for g in gaps if not g.gap <= self.tolerance]
         if failed:
             raise parity_error(pending.version, failed, self.tolerance, pending.synced)
@@ -260,7 +291,8 @@ def probe_for(
         return None
     from transformers import AutoTokenizer  # rank 0 only, once
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model())))
+    model = ensure_model(job.rollout_model())
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
     count = plan.trainer.dp_size * job.trainer.sequences_per_micro_batch
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     return ParityProbe(
@@ -270,4 +302,5 @@ def probe_for(
         colocated=plan.mode in ("split", "defer"),
         adapters=adapters,
         timeout_s=job.weight_sync.timeout_s,
+        image=image_probe(model) if is_vision_language(job.trainer.model) else None,
     )

@@ -3,9 +3,11 @@
 it reads each pool role's demand (the requests its serving engines report queued and running,
 or the requests in flight to them when more; the requests answered so far; whether a rollout
 phase runs, from ``Session.rollout_phase``) and the pool's free ranks, and asks the
-``EngineScaler`` for the policy's moves as the API would. A role's start cost is
-``start_estimate_s`` until a scale-out of it has measured one (a rollout engine's first weight
-sync included).
+``EngineScaler`` for the policy's moves as the API would. The engines of every role are read
+at once within one bound (``autoscaler.read_loads``), the pool's holders from the scaler's one
+answer (``EngineScaler.pool``). A role's start cost is ``start_estimate_s`` until a scale-out of
+it has measured one (a rollout engine's first weight sync included; the scaler's index of its
+newest succeeded operation, ``EngineScaler.succeeded``).
 
 Each decision (what it saw of every role, why, and the operation's id or why it was refused)
 is a line of ``autoscaler.jsonl`` in the run directory.
@@ -20,11 +22,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from relax_launch.inference.engine_load import engine_load
+from relax_launch.inference.discovery import PoolRecord
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.placement.config import SpareAutoscaleConfig
 from relax_launch.rl.interfaces import RolloutWork
-from relax_launch.runtime.autoscaler import request_and_log
+from relax_launch.runtime.autoscale_policy import Load
+from relax_launch.runtime.autoscaler import read_loads, request_and_log
 from relax_launch.runtime.pool_policy import (
     Move,
     PoolPolicy,
@@ -50,7 +53,6 @@ class PoolAutoscaler:
             PoolPolicyConfig(config.target_queue_per_engine, config.min_gain_s, config.hold_s)
         )
         self.roles = [r for r, engines in scaler.roles.items() if any(e.pool for e in engines)]
-        self.pool_ranks = {r for e in scaler.plan.engines if e.pool for r in e.ranks}
         self.start_s = dict.fromkeys(self.roles, config.start_estimate_s)
         self.in_phase = False  # a rollout phase runs
         self.decisions = 0
@@ -80,68 +82,48 @@ class PoolAutoscaler:
                 self.tick(self.view(time.monotonic()))
 
     def view(self, now: float) -> PoolView:
-        """What the policy sees now."""
-        roles = tuple(self._role(role) for role in self.roles)
+        """What the policy sees now (every pool role's engines read at once)."""
+        read = read_loads({role: self.managers[role] for role in self.roles})
+        pool = self.scaler.pool()
+        roles = tuple(self._role(role, read[role], pool) for role in self.roles)
         loads = {r.role: r.outstanding for r in roles}
         waiting = "rollout" if self.in_phase else max(loads, key=loads.get, default=None)
-        return PoolView(now, self._free_ranks(), roles, waiting if loads.get(waiting) else None)
+        free = len(pool.free_ranks) if pool is not None else 0
+        return PoolView(now, free, roles, waiting if loads.get(waiting) else None)
 
     def tick(self, view: PoolView) -> list[dict[str, Any]]:
         """One reading: the decisions taken (each also logged)."""
         return [self._act(move, view) for move in self.policy.decide(view)]
 
     def metrics(self) -> dict[str, float]:
+        pool = self.scaler.pool()
         out = {"pool/autoscale_decisions": float(self.decisions)}
-        out["pool/free_ranks"] = float(self._free_ranks())
+        out["pool/free_ranks"] = float(len(pool.free_ranks) if pool is not None else 0)
         for role in self.roles:
-            out[f"{role}/pool_engines"] = float(self._held(role))
+            out[f"{role}/pool_engines"] = float(_held(pool, role))
         return out
 
     # ---- readings ------------------------------------------------------------------------
 
-    def _role(self, role: str) -> RoleView:
+    def _role(self, role: str, load: Load, pool: PoolRecord | None) -> RoleView:
         manager, scaler = self.managers[role], self.scaler
-        queued = running = 0.0
-        for engine in manager.serving():
-            load = engine_load(engine.url)
-            if load is not None:
-                queued, running = queued + load.queued, running + load.running
-        self._measure_start(role)
-        pool = next(e for e in scaler.roles[role] if e.pool)
+        measured = scaler.succeeded.get((role, "scale_out"))  # the newest start measured
+        if measured is not None and measured.finished is not None:
+            self.start_s[role] = measured.finished - measured.started
+        width = next(len(e.ranks) for e in scaler.roles[role] if e.pool)
         return RoleView(
             role=role,
-            width=len(pool.ranks),
+            width=width,
             engines=scaler.count(role),
             serving=len(manager.serving()),
-            held=self._held(role),
+            held=_held(pool, role),
             most=scaler.bounds(role)[1],
-            outstanding=max(queued + running, float(manager.requests.in_flight())),
+            outstanding=load.requests,
             answered=float(sum(manager.requests.answered(e.engine_id) for e in manager.engines)),
             start_s=self.start_s[role],
             busy=role in scaler.active,
             phase=role == "rollout" and self.in_phase,
         )
-
-    def _held(self, role: str) -> int:
-        running = self.scaler.running[role]
-        return sum(e.pool and e.index in running for e in self.scaler.roles[role])
-
-    def _free_ranks(self) -> int:
-        held = {
-            rank
-            for role in self.roles
-            for e in self.scaler.roles[role]
-            if e.pool and e.index in self.scaler.running[role]
-            for rank in e.ranks
-        }
-        return len(self.pool_ranks - held)
-
-    def _measure_start(self, role: str) -> None:
-        """The role's start cost from its newest scale-out that succeeded."""
-        for op in self.scaler.listed(role, "scale_out"):  # newest first
-            if op.state == "succeeded" and op.finished is not None:
-                self.start_s[role] = op.finished - op.started
-                return
 
     # ---- decisions -----------------------------------------------------------------------
 
@@ -161,6 +143,11 @@ class PoolAutoscaler:
         }
         self.decisions += 1
         return request_and_log(self.scaler, record, self.log_path)
+
+
+def _held(pool: PoolRecord | None, role: str) -> int:
+    """The pool engines ``role`` holds (started or starting)."""
+    return sum(e.role == role for e in pool.engines) if pool is not None else 0
 
 
 def _seen(role: RoleView) -> dict[str, Any]:

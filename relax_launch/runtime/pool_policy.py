@@ -8,10 +8,11 @@ for its start. Every ``decide`` sees each role's demand and returns the moves, e
 reasons:
 
 - a teacher or judge (load role) engine helps the burst under way: with ``R`` requests left,
-  ``n`` engines of ``mu`` requests/s each (measured from the answered counts), and ``k`` more
-  after a start of ``s`` seconds, the burst ends ``R/(n mu) - (s + (R - n mu s)/((n+k) mu))``
-  seconds sooner. It asks for no more engines than ``ceil(R / target_queue_per_engine)``: below
-  that the engines are not saturated and more do not shorten the burst.
+  ``n`` engines of ``mu`` requests/s each (the requests answered over the seconds the role was
+  saturated, readings with none answered included), and ``k`` more after a start of ``s``
+  seconds, the burst ends ``R/(n mu) - (s + (R - n mu s)/((n+k) mu))`` seconds sooner. It asks
+  for no more engines than ``ceil(R / target_queue_per_engine)``: below that the engines are not
+  saturated and more do not shorten the burst.
 - a rollout engine is routed only after the next weight sync, so it helps the next rollout
   phase, not this one: the engine-seconds ``W`` of the last phase's body (while more requests
   were left than engines; its tail, the last requests, more engines do not shorten) end
@@ -91,6 +92,9 @@ class RoleEstimate:
 
     rate: float | None = None  # requests/s per engine while saturated
     last: tuple[float, float] | None = None  # (time, answered) of the previous reading
+    # (time, answered) the rate counts from: the saturated stretch's last answer, so readings
+    # with nothing answered (a judge answering a batch at once) count as time, not as nothing
+    window: tuple[float, float, int] | None = None  # (since, answered, serving) saturated
     idle_since: float | None = None  # nothing outstanding (and no phase) since
     phase_started: float | None = None
     body_s: float = 0.0  # seconds of the phase under way with more requests left than engines
@@ -141,13 +145,16 @@ class PoolPolicy:
 
     def _learn(self, role: RoleView, now: float) -> None:
         est = self.estimates.setdefault(role.role, RoleEstimate())
-        if est.last is not None and role.serving and role.outstanding >= role.serving:
-            seconds = now - est.last[0]
-            done = role.answered - est.last[1]
-            if seconds > 0 and done > 0:
-                rate = done / seconds / role.serving
-                w = self.config.rate_smoothing
-                est.rate = rate if est.rate is None else w * rate + (1 - w) * est.rate
+        saturated = role.serving > 0 and role.outstanding >= role.serving
+        window = est.window if saturated else None
+        if window is not None and (role.answered < window[1] or role.serving != window[2]):
+            window = None  # an engine came or went: its answers or its share would skew the rate
+        if window is not None and now > window[0] and role.answered > window[1]:
+            rate = (role.answered - window[1]) / (now - window[0]) / role.serving
+            w = self.config.rate_smoothing
+            est.rate = rate if est.rate is None else w * rate + (1 - w) * est.rate
+        if window is None or role.answered > window[1]:  # else: the window spans the reading
+            est.window = (now, role.answered, role.serving) if saturated else None
         if role.phase and est.in_body and est.last is not None:
             est.body_s += now - est.last[0]  # not its tail (a request or less an engine left)
         est.in_body = role.phase and role.outstanding > role.serving

@@ -6,12 +6,10 @@ within the role's engines and in the direction of the request's kind. Each refus
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from relax_launch.inference.discovery import State
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
-from relax_launch.placement.plan import EnginePlan
 from relax_launch.runtime.scale_records import ScaleOperation
 
 
@@ -61,28 +59,6 @@ def check_target(role: str, kind: str, target: int, now: int, bounds: tuple[int,
         raise ScaleRefused(
             400, f"{role} has {now} engines: {kind} to {target} goes the wrong way; use {other}"
         )
-
-
-def pool_holder(
-    engine: EnginePlan,
-    roles: dict[str, tuple[EnginePlan, ...]],
-    running: dict[str, set[int]],
-    managers: dict[str, Any],
-) -> str | None:
-    """The engine of another role started (or starting) on ``engine``'s ranks, as
-    ``model/index (role)``: only on the shared spare pool, whose ranks every pool role's
-    reserved engines share (``placement/spare_pool.py``)."""
-    if not engine.pool:
-        return None
-    for role, started in running.items():
-        for other in roles[role]:
-            if (
-                role != engine.role
-                and other.index in started
-                and set(other.ranks) & set(engine.ranks)
-            ):
-                return f"{managers[role].model_id}/{other.index} ({role})"
-    return None
 
 
 def check_pool_room(role: str, free: int, wanted: int, holders: Iterable[str | None]) -> None:

@@ -48,6 +48,7 @@ class ScaleOperation:
     started: float = field(default_factory=time.time)
     finished: float | None = None
     cancel: threading.Event = field(default_factory=threading.Event)  # asked by the API
+    committed: bool = False  # past the point where a cancel is honoured (its engines route)
 
     def document(self, actual: int) -> dict[str, Any]:
         """What ``GET /{role}/{kind}/{request_id}`` answers; ``actual``: the role's engines

@@ -1,3 +1,4 @@
+# long: one scale operation's lifecycle (start, health, sync, commit, cancel, undo, drain)
 """EngineScaler: rank 0 starts and stops the reserved engines of an elastic role (``max_engines``)
 while the job runs, for the gateway's scale routes and the autoscaler.
 
@@ -29,12 +30,14 @@ from typing import Any
 
 from relax_launch.console import operator_log
 from relax_launch.deadline import Deadline
+from relax_launch.inference.discovery import PoolRecord
 from relax_launch.inference.engine import EngineHandle, get_json
 from relax_launch.inference.engine_load import idle
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
 from relax_launch.placement.plan import EnginePlan, PlacementPlan
 from relax_launch.runtime import scale_admission as admission
+from relax_launch.runtime import scale_views
 from relax_launch.runtime.control import REPLY_MARGIN_S, Command
 from relax_launch.runtime.rank_commands import StartEngine, StopEngine
 from relax_launch.runtime.scale_records import (
@@ -42,7 +45,6 @@ from relax_launch.runtime.scale_records import (
     Replica,
     ScaleOperation,
     log_operation,
-    state_of,
 )
 
 HISTORY = 256  # operations kept for their status routes
@@ -78,6 +80,7 @@ class EngineScaler:
         self.running: dict[str, set[int]] = {role: set() for role in self.roles}  # scaled out
         self.finished = dict.fromkeys(self.roles, 0)  # operations ended, per role
         self.ended: dict[str, float] = {}  # when the role's last operation ended (monotonic)
+        self.succeeded: dict[tuple[str, str], ScaleOperation] = {}  # newest, by (role, kind)
         self.closed = False
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -149,48 +152,31 @@ class EngineScaler:
     def cancel(self, role: str, request_id: str) -> ScaleOperation:
         """Ask a scale-out in flight to stop: a start under way ends first (its head rank
         answers nothing else meanwhile), then every engine it started is stopped by PID and
-        the count is as before. Raises ``ScaleRefused``: 404 unknown, 409 already ended."""
+        the count is as before; a cancel accepted always ends ``cancelled``. Raises
+        ``ScaleRefused``: 404 unknown, 409 already ended or committed (``_commit``)."""
         op = self.get(role, "scale_out", request_id)
         if op is None:
             raise ScaleRefused(404, f"{role} has no scale_out operation {request_id!r}")
         with self._lock:
             if op.finished is not None or op.state not in ("running", "cancelling"):
                 raise ScaleRefused(409, f"scale_out {request_id} already ended: {op.state}")
+            if op.committed:
+                raise ScaleRefused(
+                    409,
+                    f"scale_out {request_id} is too late to cancel: its engines serve "
+                    f"(or are being routed); scale {role} in instead",
+                )
             op.cancel.set()
             op.state = "cancelling"
         return op
 
     def replicas(self, role: str) -> list[dict[str, Any]]:
         """Every engine of ``role`` in the plan: its state, URL and requests in flight."""
-        manager = self.managers[role]
-        handles = {e.index: e for e in manager.engines}
-        active = self.active.get(role)
-        moving = {r.index: r.state for r in active.replicas} if active else {}
-        out = []
-        for engine in self.roles[role]:
-            handle = handles.get(engine.index)
-            state = "reserved"
-            if handle is not None:
-                state = state_of(manager, handle)
-            state = moving.get(engine.index, state) if state != "serving" else state
-            if engine.pool and state == "reserved":  # whose the pool's ranks are now
-                state = (
-                    f"spare pool, held by {held}" if (held := self.holder(engine)) else "spare pool"
-                )
-            out.append(
-                {
-                    "index": engine.index,
-                    "engine_id": f"{manager.model_id}/{engine.index}",
-                    "reserved": engine.reserved,
-                    "pool": engine.pool,
-                    "ranks": list(engine.ranks),
-                    "state": state,
-                    "url": handle.url if handle is not None else None,
-                    "in_flight": manager.requests.in_flight(handle.engine_id) if handle else 0,
-                    "answered": manager.requests.answered(handle.engine_id) if handle else 0,
-                }
-            )
-        return out
+        return scale_views.replicas(self, role)
+
+    def pool(self) -> PoolRecord | None:
+        """The shared spare pool: its ranks and the engines holding them (None: no pool)."""
+        return scale_views.pool(self)
 
     def scaling(self, role: str) -> dict[str, Any]:
         """``replicas``, and the ``operation`` in flight (None when there is none)."""
@@ -250,7 +236,7 @@ class EngineScaler:
 
     def holder(self, engine: EnginePlan) -> str | None:
         """The engine of another role on ``engine``'s ranks (the shared spare pool's)."""
-        return admission.pool_holder(engine, self.roles, self.running, self.managers)
+        return scale_views.holder(self, engine)
 
     def _default_timeout(self, role: str, kind: str) -> float:
         if kind == "scale_in":  # what is left at the bound is generated again elsewhere
@@ -261,22 +247,27 @@ class EngineScaler:
     # ---- the operations ------------------------------------------------------------------
 
     def _run(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
+        state, error = "failed", "interrupted"
         try:
             if op.kind == "scale_out":
                 self._scale_out(op, picks)
             else:
                 self._scale_in(op, picks)
-            op.state = "succeeded"
+            state, error = "succeeded", ""
         except Cancelled as exc:
-            op.state, op.error = "cancelled", str(exc)
+            state, error = "cancelled", str(exc)
         except Exception as exc:  # noqa: BLE001 - the operation's answer, not the job's end
-            op.state, op.error = "failed", f"{type(exc).__name__}: {exc}"
+            state, error = "failed", f"{type(exc).__name__}: {exc}"
         finally:
-            op.finished = time.time()
-            with self._lock:
+            with self._lock:  # with cancel's check: a cancel answered 202 never ends "failed"
+                if op.cancel.is_set() and state == "failed":
+                    state = "cancelled"  # its failure undid the engines, as a cancel does
+                op.state, op.error, op.finished = state, error, time.time()
                 self.active.pop(op.role, None)
                 self.finished[op.role] += 1
                 self.ended[op.role] = time.monotonic()
+                if op.state == "succeeded":
+                    self.succeeded[(op.role, op.kind)] = op
             log_operation(op, self.actual(op.role), self.log_dir)
 
     def _scale_out(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
@@ -294,13 +285,22 @@ class EngineScaler:
                 + f"); {op.role} keeps {op.before} engines"
             )
         joining = op.role == "rollout"
-        self._stop_if_cancelled(op, picks)
+        if not joining:  # routed at once: a cancel after this is too late
+            self._commit(op, picks)
         with self.sync_lock if joining else contextlib.nullcontext():
             for replica, handle in zip(op.replicas, starts, strict=True):
                 manager.add_engine(handle, joining=joining)
                 replica.state = "weight_syncing" if joining else "serving"
         if joining:
             self._wait_routed(op, manager, starts, picks, deadline)
+
+    def _commit(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
+        """The scale-out's point of no return: a cancel asked before it is honoured now (the
+        engines stopped, ``Cancelled``), one asked after it is refused 409 (``cancel``), so a
+        202 ``cancelling`` never ends ``succeeded``."""
+        with self._lock:
+            op.committed = not op.cancel.is_set()
+        self._stop_if_cancelled(op, picks)
 
     def _stop_if_cancelled(self, op: ScaleOperation, picks: list[EnginePlan]) -> None:
         """A cancelled scale-out: its engines stopped again, the operation ends ``Cancelled``."""
@@ -312,12 +312,23 @@ class EngineScaler:
 
     def _undo(self, op: ScaleOperation, picks: list[EnginePlan], why: str) -> None:
         """A scale-out that failed: stop every engine it started, the count is as before. A
-        rollout engine is stopped only between weight syncs (one may have admitted it)."""
+        rollout engine is stopped only between weight syncs (one may have admitted it). One
+        stop failing does not keep the others up, nor the stopped ones counted."""
+        manager, stopped, errors = self.managers[op.role], set(), []
         with self.sync_lock if op.role == "rollout" else contextlib.nullcontext():
+            routed = {e.engine_id for e in manager.engines}
             for replica, engine in zip(op.replicas, picks, strict=True):
-                self._stop(engine, replica, why=why)
+                if replica.engine_id in routed:  # what it was sent goes to another engine
+                    manager.retire(replica.engine_id)
+                try:
+                    self._stop(engine, replica, why=why)
+                    stopped.add(engine.index)
+                except Exception as exc:  # noqa: BLE001 - raised below, once all were tried
+                    errors.append(f"{engine.label}: {type(exc).__name__}: {exc}")
         with self._lock:
-            self.running[op.role] -= {e.index for e in picks}
+            self.running[op.role] -= stopped
+        if errors:
+            raise RuntimeError(f"{why}, but stopping failed for " + "; ".join(errors))
 
     def _start(
         self, replica: Replica, engine: EnginePlan, deadline: Deadline
@@ -352,6 +363,7 @@ class EngineScaler:
         while True:
             serving = {e.engine_id for e in manager.serving()}
             if manager.ready and all(h.engine_id in serving for h in handles):
+                self._commit(op, picks)  # a cancel since the sync routed them: stopped again
                 break
             self._stop_if_cancelled(op, picks)  # its undo waits for a sync under way
             if deadline.passed:

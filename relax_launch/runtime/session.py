@@ -51,14 +51,15 @@ if TYPE_CHECKING:
 
 
 class Session:
-    """Commands for the ranks of one job, issued from rank 0."""
+    """Commands for the ranks of one job, issued from rank 0. ``shards``: the trainer's shard
+    channel, and the critic's on ranks of its own (None: it has none)."""
 
     def __init__(
         self,
         *,
         plan: PlacementPlan,
         channel: ControlChannel,
-        shards: ShardChannel,
+        shards: tuple[ShardChannel, ShardChannel | None],
         handlers: dict[str, Handler],
         startup_timeout_s: float,
         weight_sync_timeout_s: float,
@@ -77,8 +78,8 @@ class Session:
         self.console = console or Console()  # rank 0's operator console
         self.startup_timeout_s, self.control_plane = startup_timeout_s, control_plane
         self.engine_urls: dict[str, list[str]] = {}
-        self.trainer = TrainerClient(channel, shards, plan.trainer, handlers)
-        self.critic = CriticClient(channel, shards, plan.trainer, handlers) if critic else None
+        self.trainer = TrainerClient(channel, shards[0], plan.trainer, handlers)
+        self.critic, self.critic_overlaps = self._critic_client(critic, shards[1] or shards[0])
         self.critic_turns = CriticTurns(self.trainer, self.critic, critic) if critic else None
         rollout = control_plane.managers.get("rollout") if control_plane else None
         self.weights = WeightSync(
@@ -93,6 +94,16 @@ class Session:
         self.scaler, self.autoscalers = self._elastic(autoscale or {}, spare_autoscale)
         managers = control_plane.managers if control_plane else {}
         self.static_roles = StaticMembership.started(channel.store, managers)  # fault_tolerance
+
+    def _critic_client(
+        self, mode: CriticMode | None, shards: ShardChannel
+    ) -> tuple[CriticClient | None, bool]:
+        """The value model's client (None: no critic) and whether it trains while the policy
+        does: on its own grid and shard channel (critic.ranks=own), else on the trainer's."""
+        if mode is None:
+            return None, False
+        grid = self.plan.critic or self.plan.trainer
+        return CriticClient(self.channel, shards, grid, self.local), self.plan.critic is not None
 
     def _elastic(
         self, autoscale: dict[str, InferenceRoleConfig], spare: SpareAutoscaleConfig | None
@@ -243,6 +254,14 @@ class Session:
     def train_critic(self, batch: TokenBatch, value_clip: float | None) -> dict[str, float]:
         """One value-model step on ``batch`` (returns and old values in it: critic_batch)."""
         return self._critic().train(batch, value_clip)
+
+    def start_critic(self, batches: list[TokenBatch], value_clip: float | None) -> Any:
+        """Post one value-model step per batch to the critic's own ranks, which train them while
+        rank 0 goes on (``finish_critic`` collects them)."""
+        return self._critic().start_training(batches, value_clip)
+
+    def finish_critic(self, started: Any) -> list[dict[str, float]]:
+        return self._critic().finish_training(started)
 
     def _critic(self) -> CriticClient:
         if self.critic is None:

@@ -3,7 +3,8 @@
 A batch splits into one shard per data-parallel rank (``shards``) and travels packed into two
 flat tensors (``pack``/``unpack``): what a receiver allocates for them is its ``ShardShape``.
 A mixture-of-experts policy's batch may carry the experts the rollout engine routed each token
-to (routing replay, ``trainer/moe.py``).
+to (routing replay, ``trainer/moe.py``); a vision-language policy's, each row's images (their
+patches and grids, ``RowImages``), which travel as a third tensor.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ from dataclasses import dataclass
 from itertools import accumulate, chain, pairwise
 
 import torch
+
+
+@dataclass(frozen=True)
+class RowImages:
+    """One sequence's images, in the order of its image placeholder tokens: their patches
+    float32 [patches, channels x temporal x patch²] and patch grids int64 [images, 3] (t, h, w)."""
+
+    pixel_values: torch.Tensor
+    grids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,10 @@ class ShardShape:
     old_logprobs: bool
     routed_layers: int = 0  # MoE layers whose routing the batch carries (0: none)
     topk: int = 0
+    # images (``RowImages``): their count and patches; ``patch_dim`` 0 when the batch has none
+    images: int = 0
+    patches: int = 0
+    patch_dim: int = 0
 
     @property
     def routed(self) -> int:
@@ -34,17 +48,25 @@ class ShardShape:
         return (self.tokens - self.sequences) * self.routed_layers * self.topk
 
     @property
+    def vision(self) -> int:
+        """Ids describing the images: each sequence's image count, then every image's grid."""
+        return self.sequences + 3 * self.images if self.patch_dim else 0
+
+    @property
     def fields(self) -> int:
         return 3 if self.old_logprobs else 2
 
-    def empty(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers a packed batch of this shape is received into."""
-        return (
-            torch.empty(
-                self.sequences + self.tokens + self.routed, dtype=torch.long, device=device
-            ),
+    def empty(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        """Buffers a packed batch of this shape is received into (a third for the patches)."""
+        ids = self.sequences + self.tokens + self.routed + self.vision
+        out = (
+            torch.empty(ids, dtype=torch.long, device=device),
             torch.empty(self.fields, self.tokens, dtype=torch.float32, device=device),
         )
+        if self.patch_dim:
+            patches = torch.empty(self.patches, self.patch_dim, dtype=torch.float32, device=device)
+            out += (patches,)
+        return out
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,8 @@ class TokenBatch:
     # Per sequence, the experts the rollout engine routed each input token to, int
     # [len(tokens) - 1, MoE layers, top-k] (routing replay).
     routed_experts: tuple[torch.Tensor, ...] | None = None
+    # Per sequence, its images (None: text only), for a vision-language policy.
+    images: tuple[RowImages | None, ...] | None = None
 
     def __post_init__(self) -> None:
         old = self.old_logprobs or self.token_weights
@@ -98,6 +122,7 @@ class TokenBatch:
             pick(self.token_weights),
             pick(self.old_logprobs),
             pick(self.routed_experts),
+            pick(self.images),
         )
 
     def shards(self, count: int) -> list[TokenBatch]:
@@ -109,14 +134,25 @@ class TokenBatch:
         size = len(self) // count
         return [self.select(range(i * size, (i + 1) * size)) for i in range(count)]
 
+    def _images(self) -> list[RowImages]:
+        return [row for row in self.images or () if row is not None]
+
     def shape(self) -> ShardShape:
         routed = self.routed_experts[0].shape[1:] if self.routed_experts else (0, 0)
+        images = self._images()
         return ShardShape(
-            len(self), sum(len(t) for t in self.tokens), self.old_logprobs is not None, *routed
+            len(self),
+            sum(len(t) for t in self.tokens),
+            self.old_logprobs is not None,
+            *routed,
+            images=sum(len(r.grids) for r in images),
+            patches=sum(len(r.pixel_values) for r in images),
+            patch_dim=images[0].pixel_values.shape[1] if images else 0,
         )
 
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch as two flat tensors, no padding (see ``ShardShape``)."""
+    def pack(self) -> tuple[torch.Tensor, ...]:
+        """The batch as two flat tensors, no padding, and a third of patches when it has
+        images (see ``ShardShape``)."""
         lengths = [len(t) for t in self.tokens]
         ids = torch.tensor(list(chain(lengths, *self.tokens)), dtype=torch.long)
         if self.routed_experts:
@@ -125,11 +161,23 @@ class TokenBatch:
         if self.old_logprobs is not None:
             fields.append(self.old_logprobs)
         values = torch.tensor([list(chain.from_iterable(f)) for f in fields], dtype=torch.float32)
-        return ids, values
+        images = self._images()
+        if not images:
+            return ids, values
+        counts = torch.tensor([0 if r is None else len(r.grids) for r in self.images or ()])
+        grids = [r.grids.reshape(-1).long() for r in images]
+        pixels = torch.cat([r.pixel_values.float() for r in images])
+        return torch.cat([ids, counts, *grids]), values, pixels
 
     @classmethod
-    def unpack(cls, ids: torch.Tensor, values: torch.Tensor, shape: ShardShape) -> TokenBatch:
-        """The batch ``pack`` made, from its two tensors (on any device)."""
+    def unpack(
+        cls,
+        ids: torch.Tensor,
+        values: torch.Tensor,
+        shape: ShardShape,
+        pixels: torch.Tensor | None = None,
+    ) -> TokenBatch:
+        """The batch ``pack`` made, from its tensors (on any device)."""
         flat_ids = ids[: shape.sequences + shape.tokens].tolist()
         spans = list(pairwise(accumulate(flat_ids[: shape.sequences], initial=0)))
 
@@ -148,7 +196,11 @@ class TokenBatch:
                 r.view(n, shape.routed_layers, shape.topk)
                 for r, n in zip(flat, inputs, strict=True)
             )
-        return cls(rows(flat_ids[shape.sequences : tokens_end]), fields[0], fields[1], old, routed)
+        tokens = rows(flat_ids[shape.sequences : tokens_end])
+        images = None
+        if shape.patch_dim:
+            images = unpack_images(ids[tokens_end + shape.routed :].cpu(), pixels, shape)
+        return cls(tokens, fields[0], fields[1], old, routed, images)
 
     def tensors(self, pad_id: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
         """Right-padded inputs, targets, mask and weights, each [batch, longest - 1], the
@@ -173,6 +225,25 @@ class TokenBatch:
         if self.routed_experts:
             out["routed_experts"] = padded_routing(self.routed_experts, longest - 1)
         return out
+
+
+def unpack_images(
+    ids: torch.Tensor, pixels: torch.Tensor, shape: ShardShape
+) -> tuple[RowImages | None, ...]:
+    """Each sequence's images from the packed image ids (counts, then grids) and patches."""
+    counts = ids[: shape.sequences].tolist()
+    grids = ids[shape.sequences :].view(-1, 3)
+    rows: list[RowImages | None] = []
+    image = patch = 0
+    for count in counts:
+        if not count:
+            rows.append(None)
+            continue
+        grid = grids[image : image + count]
+        size = int(grid.prod(-1).sum())
+        rows.append(RowImages(pixels[patch : patch + size], grid))
+        image, patch = image + count, patch + size
+    return tuple(rows)
 
 
 def padded_routing(routed: tuple[torch.Tensor, ...], length: int) -> torch.Tensor:

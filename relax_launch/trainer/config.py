@@ -156,6 +156,12 @@ class TrainerConfig(Section):
         description="Train low-rank adapters instead of every weight; lora.engines says how the "
         "rollout engines hold them.",
     )
+    freeze_vision: bool = Field(
+        False,
+        description="A vision-language model (Qwen2.5-VL): keep its vision tower and patch "
+        "merger as loaded, training the language model alone; the weight sync to decoupled "
+        "engines then sends only the language model. Ignored by text models.",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_size_micro_batches(self) -> TrainerConfig:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from relax_launch import platform
@@ -38,8 +37,12 @@ from relax_launch.trainer.model import (
     read_shape,
     wrap_ddp,
 )
-from relax_launch.trainer.step_metrics import batch_metrics
+from relax_launch.trainer.step_metrics import dp_sums
 from relax_launch.trainer.trainer import save_durably
+
+# a critic step's reply: how long it took on the critic's rank (seconds, its own clock: a
+# duration, so that rank 0 compares it with its own without the machines' clocks meeting)
+STEP_SECONDS = "critic/step_seconds"
 
 
 class ValueHead(torch.nn.Module):
@@ -63,9 +66,17 @@ class Critic:
     """The value model on this trainer rank: build, score values, train, save and load."""
 
     def __init__(
-        self, *, section: TrainerConfig, model_dir: Path, pgc: Any, device: platform.Device
+        self,
+        *,
+        section: TrainerConfig,
+        model_dir: Path,
+        pgc: Any,
+        device: platform.Device,
+        tp_field: str = "trainer.tp_size",
     ) -> None:
-        self.section, self.pgc = section, pgc
+        """``tp_field``: the setting that sized its tensor parallelism (``critic.tp_size`` on
+        ranks of its own), named when a checkpoint's shards do not match it."""
+        self.section, self.pgc, self.tp_field = section, pgc, tp_field
         self.shape = read_shape(model_dir)
         if self.shape.moe is not None:
             raise ValueError(
@@ -73,7 +84,9 @@ class Critic:
                 "is dense-only for now; set critic.model to a dense model"
             )
         self.torch_device = platform.torch_device(device, int(os.environ.get("LOCAL_RANK", "0")))
-        module = build_gpt_module(self.shape, section, pgc, self.torch_device, model_dir)
+        # built and loaded in host memory: the policy's vocab-sized head is replaced before the
+        # model reaches the device (the memory plan counts the value head only)
+        module = build_gpt_module(self.shape, section, pgc, "cpu", model_dir)
         load_hf_checkpoint(module, model_dir, self.shape, pgc)
         dtype = next(module.parameters()).dtype
         module.output_layer = ValueHead(self.shape.hidden_size, dtype, section.seed)
@@ -105,15 +118,14 @@ class Critic:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._schedule(batches, forward_only=False, clip=clip)
-        totals = batch_metrics(outputs, self.pgc.dp)
-        tokens = max(_dp_sum(outputs, "tokens", self.pgc.dp), 1.0)
+        totals = dp_sums(outputs, SUMMED, self.pgc.dp)
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError(f"critic step {self.step}: optimizer skipped the update")
         self.step += 1
         return {
-            "critic/value_loss": totals["loss"],
-            "critic/clip_fraction": _dp_sum(outputs, "value_clipped", self.pgc.dp) / tokens,
+            "critic/value_loss": totals["loss_sum"] / max(totals["count"], 1.0),
+            "critic/clip_fraction": totals["value_clipped"] / max(totals["tokens"], 1.0),
             "critic/grad_norm": float(grad_norm or 0.0),
         }
 
@@ -139,13 +151,12 @@ class Critic:
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} is missing: the checkpoint was saved without a critic, or with another "
-                "trainer.tp_size (resume with the critic section and sizes it was saved with)"
+                f"{self.tp_field} (resume with the critic section and sizes it was saved with)"
             )
-        state = torch.load(path, map_location=self.torch_device, weights_only=False)
-        self.model.module.load_state_dict(state["model"])
-        # copies: the optimizer keeps the tensors it is given
-        clone = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
-        self.optimizer.load_state_dict(clone["optimizer"])
+        # in host memory: each tensor reaches the device only as the copy into its own place
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.module.load_state_dict(state["model"])  # copies into the live parameters
+        self.optimizer.load_state_dict(_kept_on(state.pop("optimizer"), self.torch_device))
         self.step = int(state["step"])
         return self.step
 
@@ -210,8 +221,17 @@ def value_step(
     return output, loss_fn
 
 
-def _dp_sum(outputs: list[dict[str, torch.Tensor]], key: str, dp: Any) -> float:
-    """``key`` summed over the micro-batches and the data-parallel ranks."""
-    total = torch.stack([o[key].float() for o in outputs]).sum()
-    dist.all_reduce(total, group=dp)
-    return float(total)
+def _kept_on(saved: Any, device: torch.device | str) -> Any:
+    """A host-memory optimizer state dict whose tensors that the optimizer keeps (Adam's
+    per-parameter moments and steps) are copied to ``device`` one by one: torch.load's storages
+    cannot be resized, which is how offloading frees one. The main weights stay in host memory:
+    Megatron copies them into its live ones."""
+    for part in saved if isinstance(saved, list) else [saved]:
+        inner = part.get("optimizer", part)
+        inner["state"] = tree_map(
+            lambda v: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v, inner["state"]
+        )
+    return saved
+
+
+SUMMED = ("loss_sum", "count", "tokens", "value_clipped")  # a train step's sums

@@ -12,6 +12,7 @@ import torch
 from relax_launch.trainer.attention import gather_sequence
 from relax_launch.trainer.losses import LossSpec, likelihood_loss, policy_loss
 from relax_launch.trainer.moe import MoeRouting
+from relax_launch.trainer.vlm_batches import vision_arguments
 
 
 def step_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -62,7 +63,8 @@ def forward_step(
     batch = next(data_iterator)
     if moe is not None:  # the engine's routing replayed, the training forward's observed
         moe.prepare(model, batch, train)
-    token_loss = model(*step_inputs(batch), labels=batch["targets"])  # -logprob
+    # -logprob; a vision-language policy's micro-batches carry their images
+    token_loss = model(*step_inputs(batch), labels=batch["targets"], **vision_arguments(batch))
 
     def loss_fn(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         logprobs = -loss_layout(output.float(), batch, cp)

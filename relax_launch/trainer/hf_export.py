@@ -50,7 +50,7 @@ class HFExport:
             return
         gathering: deque[tuple[str, Gathered]] = deque()  # TP gathers in flight, in order
         for name, local in self._local(changed_only):
-            gathering.append((name, self._start_gather(local, tp_split_dim(name))))
+            gathering.append((name, self._start_gather(local, self.split_dim(name))))
             if len(gathering) > GATHERS_IN_FLIGHT:  # the next ones gather while it is sent
                 yield from self._converted(*gathering.popleft(), fused)
         while gathering:
@@ -77,13 +77,11 @@ class HFExport:
         tp_size = self.pgc.tp.size()
         manifest = []
         for name, param in self._params(changed_only):
-            shape, dim = list(param.shape), tp_split_dim(name)
+            shape, dim = list(param.shape), self.split_dim(name)
             if dim is not None:
                 shape[dim] *= tp_size
             full = torch.empty(shape, dtype=param.dtype, device="meta")
-            for hf_name, tensor in megatron_to_hf(
-                name, full, self.shape, tp_size=tp_size, fused=fused, **self._offsets
-            ):
+            for hf_name, tensor in self.to_hf(name, full, fused):
                 manifest.append(
                     (hf_name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
                 )
@@ -146,6 +144,16 @@ class HFExport:
         """Parameter ``name`` in HF layout, once its gather is done (on TP rank 0 only)."""
         full = gathered()
         if self.pgc.tp.rank() == 0:
-            yield from megatron_to_hf(
-                name, full, self.shape, tp_size=self.pgc.tp.size(), fused=fused, **self._offsets
-            )
+            yield from self.to_hf(name, full, fused)
+
+    def split_dim(self, name: str) -> int | None:
+        """The dimension parameter ``name`` is split along over TP (None: whole)."""
+        return tp_split_dim(name)
+
+    def to_hf(
+        self, name: str, full: torch.Tensor, fused: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The HF tensors of parameter ``name``, whole over TP."""
+        return megatron_to_hf(
+            name, full, self.shape, tp_size=self.pgc.tp.size(), fused=fused, **self._offsets
+        )

@@ -31,10 +31,8 @@ PER_TOKEN = {  # token sums reported as per-token means, under these names
 def batch_metrics(outputs: list[dict[str, torch.Tensor]], dp: Any) -> dict[str, float]:
     """The global batch's loss and per-token diagnostics (the last pipeline stage's micro-batch
     outputs, summed over the data-parallel group ``dp``; the largest values by max)."""
-    keys = [k for k in SUMMED if k in outputs[0]]
-    totals = torch.stack([sum(o[k].float() for o in outputs) for k in keys])
-    dist.all_reduce(totals, group=dp)
-    total = dict(zip(keys, totals.tolist(), strict=True))
+    keys = tuple(k for k in SUMMED if k in outputs[0])
+    total = dp_sums(outputs, keys, dp)
     tokens = max(total["tokens"], 1.0)
     metrics = {"loss": total["loss_sum"] / max(total["count"], 1.0)}
     metrics.update({PER_TOKEN[k]: total[k] / tokens for k in keys if k in PER_TOKEN})
@@ -45,6 +43,16 @@ def batch_metrics(outputs: list[dict[str, torch.Tensor]], dp: Any) -> dict[str, 
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=dp)
         metrics[key] = float(largest)
     return metrics
+
+
+def dp_sums(
+    outputs: list[dict[str, torch.Tensor]], keys: tuple[str, ...], dp: Any
+) -> dict[str, float]:
+    """Each of ``keys`` summed over the micro-batches and the data-parallel group ``dp``: one
+    all-reduce of them packed into one tensor (the policy's and the critic's steps)."""
+    totals = torch.stack([sum(o[k].float() for o in outputs) for k in keys])
+    dist.all_reduce(totals, group=dp)
+    return dict(zip(keys, totals.tolist(), strict=True))
 
 
 def beyond_bounds(

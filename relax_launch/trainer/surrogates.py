@@ -74,23 +74,25 @@ def second_moment_mask(
 ) -> torch.Tensor:
     """M2PO's mask (1 keep, 0 drop) over ``mask``'s tokens: drop the tokens of largest squared
     log-ratio, one by one, until the mean squared log-ratio of those kept is at most
-    ``threshold`` (all of them dropped if even the smallest is above it)."""
-    on = mask > 0
-    squares = log_ratio.detach().pow(2)[on]
-    order = torch.argsort(squares, descending=True, stable=True)
-    ranked = squares[order]
-    # kept_mean[k]: the mean of the tokens left after dropping the k largest
-    suffix = ranked.flip(0).cumsum(0).flip(0)
-    kept_mean = suffix / torch.arange(len(ranked), 0, -1, dtype=ranked.dtype, device=ranked.device)
-    within = torch.nonzero(kept_mean <= threshold)
-    dropped = int(within[0]) if len(within) else len(ranked)
-    keep_ranked = torch.ones_like(ranked)
-    keep_ranked[:dropped] = 0.0
-    keep = torch.zeros_like(squares)
-    keep[order] = keep_ranked
-    out = torch.zeros_like(log_ratio)
-    out[on] = keep
-    return out
+    ``threshold`` (all of them dropped if even the smallest is above it).
+
+    Without a host sync (no boolean indexing, ``nonzero`` or ``.item()``: each is a stall per
+    micro-batch on an accelerator): the masked-out tokens rank last (-1 below every square), so
+    the stable sort orders the trained ones as sorting them alone would, and the count to drop
+    stays a tensor."""
+    on = (mask > 0).flatten()
+    squares = log_ratio.detach().pow(2).flatten()
+    ranked, order = torch.sort(torch.where(on, squares, -1.0), descending=True, stable=True)
+    trained = on.sum()
+    rank = torch.arange(len(ranked), device=ranked.device)
+    # kept_mean[k]: the mean of the trained tokens left after dropping the k largest
+    suffix = torch.where(rank < trained, ranked, 0.0).flip(0).cumsum(0).flip(0)
+    kept_mean = suffix / (trained - rank).clamp(min=1).to(ranked.dtype)
+    within = (kept_mean <= threshold) & (rank < trained)
+    dropped = torch.minimum((within.cumsum(0) == 0).sum(), trained)
+    keep_ranked = ((rank >= dropped) & (rank < trained)).to(log_ratio.dtype)
+    keep = torch.zeros_like(keep_ranked).scatter(0, order, keep_ranked)
+    return keep.reshape(log_ratio.shape)
 
 
 def m2po(

@@ -28,16 +28,13 @@ from relax_launch.trainer.hf_dir import DTYPES, write_shards
 from relax_launch.trainer.hf_export import HFExport
 from relax_launch.trainer.lora import adapters_off, is_adapter, targets_of
 from relax_launch.trainer.losses import LossSpec
-from relax_launch.trainer.model import (
-    build_gpt,
-    build_gpt_module,
-    build_optimizer,
-    load_hf_checkpoint,
-    read_shape,
-)
+from relax_launch.trainer.model import build_optimizer
 from relax_launch.trainer.moe import compare_only, moe_routing
 from relax_launch.trainer.offload import PARTS, StateOffloader
+from relax_launch.trainer.policy import bare_module, build_policy
 from relax_launch.trainer.step_metrics import batch_metrics, beyond_bounds
+from relax_launch.trainer.vlm_batches import PACKING_REFUSED, add_vision_inputs
+from relax_launch.trainer.vlm_policy import VLMExport
 
 
 class Trainer:
@@ -61,20 +58,24 @@ class Trainer:
         reference: bool = False,
     ) -> None:
         self.section, self.pgc = section, pgc
-        self.shape = read_shape(model_dir)
         torch.manual_seed(section.seed)
         self.torch_device = platform.torch_device(device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.model = build_gpt(self.shape, section, pgc, self.torch_device, model_dir)
-        load_hf_checkpoint(self.model.module, model_dir, self.shape, pgc)
+        # a vision-language policy also has its VLShape (``self.vision``; None: text only)
+        self.model, self.shape, self.vision = build_policy(
+            section, pgc, self.torch_device, model_dir
+        )
         self.lora = targets_of(self.model.module)  # {weight name: linear with an adapter}
         self.moe = moe_routing(self.model.module, self.shape, pgc, self.torch_device)
-        self.hf = HFExport(self.model.module, self.shape, pgc, self.lora)
+        self.hf = (
+            HFExport(self.model.module, self.shape, pgc, self.lora)
+            if self.vision is None
+            else VLMExport(self.model.module, self.vision, pgc)
+        )
         self.reference = None
         self.wants_reference = reference
         if reference and not self.lora:
-            self.reference = build_gpt_module(
-                self.shape, section, pgc, self.torch_device, model_dir
-            )
+            shape = self.vision or self.shape
+            self.reference = bare_module(shape, section, pgc, self.torch_device, model_dir)
             self.reference.load_state_dict(self.model.module.state_dict())  # no second read
             self.reference.requires_grad_(False).eval()
             if self.moe is not None:
@@ -292,6 +293,10 @@ class Trainer:
             multiple=multiple,
             cp=(pgc.cp.rank(), pgc.cp.size()),
         )
+        if self.vision is not None:
+            if section.pack_sequences:
+                raise ValueError(PACKING_REFUSED)
+            add_vision_inputs(built, shard, self.vision)
         return [{k: v.to(self.torch_device) for k, v in b.items()} for b in built]
 
     def _schedule(

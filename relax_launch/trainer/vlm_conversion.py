@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from relax_launch.models.registry import VISION_LANGUAGE_ARCHITECTURES
 from relax_launch.trainer.hf_conversion import (
     check_checkpoint,
     hf_to_megatron,
@@ -27,7 +28,7 @@ from relax_launch.trainer.hf_conversion import (
 )
 from relax_launch.trainer.model_shape import ModelShape
 
-VLM_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+VLM_ARCHITECTURES = VISION_LANGUAGE_ARCHITECTURES
 LANGUAGE, VISION = "language.", "vision."  # the trainer module's two parts
 HF_VISION = "visual."
 # transformers' in-memory names -> the checkpoint's

@@ -55,22 +55,32 @@ def mrope_positions(
 
     A text token takes the next position in all three; an image's tokens take the image's
     position plus their (t, h, w) index among its merged patches, and the text after it starts
-    past the image's largest extent (Qwen2-VL's ``get_rope_index``)."""
+    past the image's largest extent (Qwen2-VL's ``get_rope_index``). Placeholders past the last
+    image's (a sampled response may hold the placeholder id) are text, as for the engine."""
     merge = shape.spatial_merge_size
     out = torch.empty(3, len(ids), dtype=torch.long)
-    images, current, i = iter(grids.tolist()), start, 0
+    images, current, i = grids.tolist(), start, 0
     placeholders = (ids == shape.image_token_id).tolist()
     while i < len(ids):
-        if not placeholders[i]:
-            out[:, i] = current
-            current, i = current + 1, i + 1
+        end = _next_placeholder(placeholders, i) if images else len(ids)
+        if end > i:  # a text span: the next positions in all three
+            out[:, i:end] = torch.arange(current, current + end - i)
+            current, i = current + end - i, end
             continue
-        t, h, w = next(images)
+        t, h, w = images.pop(0)
         h, w = h // merge, w // merge
         grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
         out[:, i : i + t * h * w] = torch.stack([g.flatten() for g in grid]) + current
         current, i = current + max(t, h, w), i + t * h * w
     return out
+
+
+def _next_placeholder(placeholders: list[bool], start: int) -> int:
+    """The index of the first placeholder at or after ``start``; past the end if none."""
+    try:
+        return placeholders.index(True, start)
+    except ValueError:
+        return len(placeholders)
 
 
 class VisionLanguageModel(torch.nn.Module):
@@ -80,7 +90,7 @@ class VisionLanguageModel(torch.nn.Module):
     def __init__(self, language: Any, vision: torch.nn.Module, shape: VLShape) -> None:
         super().__init__()
         self.language, self.vision, self.shape = language, vision, shape
-        self.config = language.config
+        self.config, self.model_type = language.config, language.model_type
 
     def set_input_tensor(self, tensor: Any) -> None:
         self.language.set_input_tensor(tensor)
@@ -98,21 +108,29 @@ class VisionLanguageModel(torch.nn.Module):
         labels: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token losses [batch, sequence] (-logprob of ``labels``), or the logits (this TP
         rank's vocabulary slice) without labels. ``position_ids`` [3, batch, sequence]; one
-        sequence per row."""
+        sequence per row. ``image_mask`` [batch, sequence]: the tokens the image features
+        replace (unset: every image placeholder)."""
         embeddings = self.language.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             features = self.image_features(pixel_values, image_grid_thw)
-            placeholders = (input_ids == self.shape.image_token_id).t()  # [sequence, batch]
-            if int(placeholders.sum()) != features.shape[0]:
-                raise ValueError(
-                    f"{int(placeholders.sum())} image placeholder tokens for "
-                    f"{features.shape[0]} image features"
-                )
-            embeddings = embeddings.masked_scatter(
-                placeholders[..., None], features.to(embeddings.dtype)
+            if image_mask is not None:  # counted on the CPU (vlm_batches.add_vision_inputs)
+                placeholders = image_mask.bool()
+            else:
+                placeholders = input_ids == self.shape.image_token_id  # [batch, sequence]
+                if int(placeholders.sum()) != features.shape[0]:  # a host sync: not training's
+                    raise ValueError(
+                        f"{int(placeholders.sum())} image placeholder tokens for "
+                        f"{features.shape[0]} image features"
+                    )
+            # features are in row order: scatter row by row ([batch, sequence, hidden])
+            embeddings = (
+                embeddings.transpose(0, 1)
+                .masked_scatter(placeholders[..., None], features.to(embeddings.dtype))
+                .transpose(0, 1)
             )
         set_positions(Positions(position_ids[0], None))  # causal, one sequence per row
         return self.language(

@@ -47,6 +47,7 @@ from relax_launch.inference import policy_adapter
 from relax_launch.weights import pipeline_stages
 from relax_launch.weights.broadcast_group import group_store
 from relax_launch.weights.collective_wait import wait_for
+from relax_launch.weights.engine_caches import forget_image_features
 from relax_launch.weights.staging import ALIGN as STAGING_ALIGN
 from relax_launch.weights.staging import NAME as STAGING
 from relax_launch.weights.staging import Receives, Staging, for_load_weights, largest_bucket
@@ -200,6 +201,7 @@ def wait_unless_aborted(work: Any, group: Any) -> None:
 def reported(original: Any, updater: Any, named_tensors: list) -> tuple[bool, str]:
     """``load_weights_from_distributed`` (the staged tensors), and this update's report."""
     success, message = original(updater, named_tensors)
+    forget_image_features(name for name, _ in named_tensors)
     return success, _receiver_state(updater).finish(message)
 
 
@@ -232,6 +234,7 @@ def load_bucket(original: Any, updater: Any, **request: Any) -> tuple[bool, str]
     if staged:
         updater.get_model().load_weights(for_load_weights(staged))
     platform.synchronize(bucket.device)  # the trainer reuses the bucket once we answer
+    forget_image_features(name for name, *_ in entries)
     return True, state.finish("Success")
 
 

@@ -96,7 +96,7 @@ def test_explicit_unknown_model_never_falls_back(gateway_over, upstream):
 def test_generate_is_byte_faithful_minus_routing_fields(gateway_over, upstream):
     raw = (
         b'{"input_ids": [1, 2, 3],  "return_logprob": true, "logprob_start_len": 0, '
-        b'"token_ids_logprob": [5, 9], "image_data": "data:image/png;base64,AAAA", '
+        b'"token_ids_logprob": [5, 9], "rid": "req-1", '
         b'"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}'
     )
     with gateway_over("teacher", routing={"aliases": {"teacher-ckpt": "m"}}) as (url, _):

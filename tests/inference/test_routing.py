@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 from sglang_router.launch_router import parse_router_args
 
-from relax_launch.inference.discovery import Discovery
+from relax_launch.inference.discovery import Discovery, read_discovery
 from relax_launch.inference.router import SGLangRouter
 from relax_launch.inference.routing import (
     ModelUnavailable,
@@ -201,6 +203,27 @@ def test_not_ready_engines_are_never_direct_eligible():
 def test_discovery_is_validated_strictly(change, message):
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         snapshot(**change)
+
+
+def test_a_client_ignores_fields_a_later_gateway_adds_within_the_schema_version():
+    document = snapshot().model_dump(mode="json")
+    document["added"] = {"any": 1}  # as pool joined schema 2
+    document["routing"]["added"] = 1
+    document["models"]["math"]["added"] = 1
+    document["models"]["code"]["engines"][0]["added"] = 1
+    held = {"role": "teacher", "engine_id": "math/9", "ranks": [3], "state": "s", "added": 1}
+    document["pool"] = {
+        "ranks": [3], "roles": ["teacher"], "free_ranks": [], "engines": [held], "added": 1
+    }  # fmt: skip
+    read = read_discovery(json.dumps(document))
+    assert read.models == snapshot().models and read.pool.engines[0].engine_id == "math/9"
+    with pytest.raises(ValidationError, match="Extra inputs"):  # the gateway's own: strict
+        Discovery.model_validate(document)
+    with pytest.raises(ValidationError, match="schema_version"):  # another version: refused
+        read_discovery(json.dumps(document | {"schema_version": 3}))
+    with pytest.raises(ValidationError, match="not an http"):  # the known fields: as strictly
+        document["models"]["code"]["engines"][0]["base_url"] = "ftp://x:1"
+        read_discovery(json.dumps(document))
 
 
 def test_aliases_may_not_shadow_a_model_id():

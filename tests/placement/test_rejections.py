@@ -23,6 +23,8 @@ JUDGE = [
     "reward.sources=[{name: answer, function: 'builtin:exact_numeric'}, {name: j, genrm: true}]"
 ]
 EIGHT = ["cluster.nnodes=2"]
+VLM = "trainer.model=builtin:tiny-qwen2.5-vl"
+PIL = "rollout.engine.image_processor_backend=pil"
 MOE = "trainer.model=builtin:tiny-qwen3-moe"
 SPLIT = [
     "placement.mode=split",
@@ -300,9 +302,37 @@ CASES = {
         ["trainer.model=builtin:gpt-9"],
         ["'builtin:gpt-9' is not a builtin model"],
     ),
-    "vision-language model as the policy": (
-        ["trainer.model=builtin:tiny-qwen2.5-vl"],
-        ["vision-language models are not trained by RL jobs yet"],
+    "vision-language policy without the PIL image processor on the CPU": (
+        [VLM],
+        ["rollout.engine.image_processor_backend: set it to pil", "must equal the engine's"],
+    ),
+    "vision-language policy with another image processor on a GPU": (
+        [VLM, "cluster.device=cuda", "rollout.engine.image_processor_backend=torchvision"],
+        ["rollout.engine.image_processor_backend: set it to pil", "must equal the engine's"],
+    ),
+    "LoRA on a vision-language policy": (
+        [VLM, PIL, "trainer.lora.rank=4"],
+        ["trainer.lora is not built for a vision-language trainer.model", "remove trainer.lora"],
+    ),
+    "packed rows of a vision-language policy": (
+        [VLM, PIL, "trainer.pack_sequences=true"],
+        ["trainer.pack_sequences is not built for a vision-language", "set it to false"],
+    ),
+    "vision-language policy colocated": (
+        [VLM, PIL, *SPLIT],
+        ["placement.mode=split is not built for a vision-language trainer.model"],
+    ),
+    "images for a text policy": (
+        ["data.dataset=builtin:shape_counting"],
+        ["data.dataset=builtin:shape_counting shows images", "vision-language trainer.model"],
+    ),
+    "eval images for a text policy": (
+        ["eval.data.dataset=builtin:shape_counting"],
+        ["eval.data.dataset=builtin:shape_counting shows images", "vision-language"],
+    ),
+    "freeze_vision on a text policy": (
+        ["trainer.freeze_vision=true"],
+        ["trainer.freeze_vision acts on a vision-language trainer.model", "remove it"],
     ),
     "model directory missing": (
         ["trainer.model=/nonexistent/model"],
@@ -311,6 +341,14 @@ CASES = {
     "dataset file missing": (
         ["data.dataset=/nonexistent/prompts.jsonl"],
         ["data.dataset", "does not exist"],
+    ),
+    "image directory missing": (
+        ["gateway.images.allowed_dirs=[/nonexistent/images]"],
+        ["gateway.images.allowed_dirs", "are not directories here", "create them"],
+    ),
+    "image directory relative": (
+        ["gateway.images.allowed_dirs=[images]"],
+        ["gateway.images.allowed_dirs", "'images' is not an absolute path"],
     ),
     "unknown builtin dataset": (["data.dataset=builtin:chess"], ["unknown built-in dataset"]),
     "dataset dataset of an unread format": (
@@ -526,3 +564,9 @@ def test_elastic_and_fault_tolerant_rollout_engines_run_behind_sglang_router():
     router = "gateway.rollout_route_mode=router"
     check(["rollout.ranks=1", "rollout.max_engines=2", router])  # accepted
     check(["rollout.fault_tolerance=true", router])  # accepted
+
+
+def test_a_vision_language_policy_with_the_pil_processor_is_accepted():
+    """What the RL step with images runs (docs/vlm.md) passes the config and preflight; the
+    fields it cannot use yet are the rejections above."""
+    check([VLM, PIL, "data.dataset=builtin:shape_counting", "trainer.freeze_vision=true"])

@@ -91,6 +91,50 @@ def test_second_moment_mask_drops_one_token_at_a_time_from_the_largest():
     assert second_moment_mask(torch.tensor([[2.0, -3.0]]), torch.ones(1, 2), 1.0).sum() == 0
 
 
+def reference_second_moment_mask(log_ratio, mask, threshold):
+    """The mask as first written, with boolean indexing and a host read of the count: the
+    reference the sync-free ``second_moment_mask`` must match exactly."""
+    on = mask > 0
+    squares = log_ratio.detach().pow(2)[on]
+    order = torch.argsort(squares, descending=True, stable=True)
+    ranked = squares[order]
+    suffix = ranked.flip(0).cumsum(0).flip(0)
+    kept_mean = suffix / torch.arange(len(ranked), 0, -1, dtype=ranked.dtype)
+    within = torch.nonzero(kept_mean <= threshold)
+    dropped = int(within[0]) if len(within) else len(ranked)
+    keep_ranked = torch.ones_like(ranked)
+    keep_ranked[:dropped] = 0.0
+    keep = torch.zeros_like(squares)
+    keep[order] = keep_ranked
+    out = torch.zeros_like(log_ratio)
+    out[on] = keep
+    return out
+
+
+def test_second_moment_mask_matches_the_reference_on_random_batches():
+    generator = torch.Generator().manual_seed(0)
+    for case in range(300):
+        rows, length = 1 + case % 4, 1 + case % 37
+        log_ratio = torch.randn(rows, length, generator=generator) * (0.05 + case % 5 * 0.2)
+        if case % 3 == 0:  # ties: squares equal across tokens and signs
+            log_ratio = (log_ratio * 10).round() / 10
+        mask = (torch.rand(rows, length, generator=generator) < 0.2 + case % 4 * 0.25).float()
+        for threshold in (0.0, 1e-3, 0.01, 0.1, 1.0, 100.0):
+            expected = reference_second_moment_mask(log_ratio, mask, threshold)
+            assert torch.equal(second_moment_mask(log_ratio, mask, threshold), expected)
+
+
+def test_second_moment_mask_needs_no_host_sync():
+    """On the meta device (shapes, no values) every data-dependent step raises: boolean
+    indexing and ``nonzero`` (output size from the data), ``.item()``/``int()``/``bool()``. The
+    mask running there reads nothing back to the host, so on CUDA it does not stall the
+    micro-batch."""
+    log_ratio, mask = torch.zeros(3, 17, device="meta"), torch.ones(3, 17, device="meta")
+    keep = second_moment_mask(log_ratio, mask, 0.01)
+    assert keep.shape == (3, 17)
+    assert keep.device.type == "meta"
+
+
 def test_the_new_diagnostics_are_reported_as_per_token_means():
     for key, name in [
         ("cispo_capped", "cispo_capped_fraction"),

@@ -181,3 +181,72 @@ def test_evaluating_on_the_training_seed_is_refused():
     assert load_config(tiny).eval.data.seed != load_config(tiny).data.seed
     with pytest.raises(ConfigError, match="eval.data.seed=0 equals data.seed"):
         load_config(tiny, ["eval.data.seed=0"])
+
+
+def questions(config: DataConfig) -> set[str]:
+    return {p.messages[-1]["content"] for p in load_prompts(config)}
+
+
+def test_another_seed_draws_other_rows():
+    # reasoning-gym seeds row i with seed + i: data seeds 0 and 1 shared 19 of 20 rows
+    chain_sum = {"size": 20, "tasks": {"chain_sum": {"min_digits": 3, "max_digits": 4}}}
+    train, held_out = (
+        questions(DataConfig(dataset="reasoning_gym:chain_sum", seed=s, reasoning_gym=chain_sum))
+        for s in (0, 1)
+    )
+    assert len(train) == len(held_out) == 20 and not train & held_out
+    tiny = Path(__file__).parent / "reasoning_gym_tiny.yaml"
+    with pytest.raises(ConfigError, match="differ by a multiple of 2048"):
+        load_config(tiny, ["data.seed=1", "eval.data.seed=2049"])
+
+
+def test_the_evaluation_leaves_out_questions_the_training_draws(rewards):
+    # sums of two one-digit numbers: 200 questions, so another seed repeats many of them
+    one_digit = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}}
+    data = DataConfig(
+        dataset="reasoning_gym:chain_sum", max_prompt_tokens=512, reasoning_gym=one_digit
+    )
+    config = EvalConfig(data={"dataset": "reasoning_gym:chain_sum", "reasoning_gym": one_digit})
+    evaluation = Evaluation(config, WordTokenizer(), data)
+    kept = {p.messages[-1]["content"] for p, _ in evaluation.prompts}
+    assert evaluation.seen_in_training > 0 and kept and not kept & questions(data)
+    assert len(evaluation.prompts) + evaluation.seen_in_training == 1000
+    samples = [sample(p, "<answer>no</answer>") for p, _ in evaluation.prompts]
+    out = evaluation.summarize(samples, rewards.score(samples))
+    assert out["eval/skipped_training_prompts"] == evaluation.seen_in_training
+
+
+def test_an_eval_set_the_training_asks_entirely_is_refused_before_the_start():
+    # sums of two one-digit numbers: 2000 training rows ask all of the task's questions
+    one_digit = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}}
+    data = DataConfig(dataset="reasoning_gym:chain_sum", reasoning_gym={**one_digit, "size": 2000})
+    config = EvalConfig(
+        data={"dataset": "reasoning_gym:chain_sum", "reasoning_gym": {**one_digit, "size": 20}}
+    )
+    reward = RewardConfig(sources=[{"name": "task", "function": "builtin:reasoning_gym"}])
+    with pytest.raises(ConfigError, match="every prompt is also a training prompt"):
+        check_inputs(data, reward, config)
+    # the evaluation leaves out the questions of the training prompts it is given (the run's,
+    # read once), not of the training set generated again
+    data = data.model_copy(update={"max_prompt_tokens": 512})
+    training = load_prompts(data)
+    with pytest.raises(ValueError, match="every prompt is also a training prompt"):
+        Evaluation(config, WordTokenizer(), data, training)
+    assert Evaluation(config, WordTokenizer(), data, training[:1]).seen_in_training < 20
+
+
+def test_a_question_trained_on_is_left_out_whatever_answer_format_eval_asks_for(rewards):
+    one_digit = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}}
+    data = DataConfig(
+        dataset="reasoning_gym:chain_sum",
+        max_prompt_tokens=512,
+        reasoning_gym={**one_digit, "size": 60},
+    )
+    other_format = {**one_digit, "size": 100, "answer_format": "Reply with the number only."}
+    config = EvalConfig(
+        data={"dataset": "reasoning_gym:chain_sum", "reasoning_gym": other_format},
+        max_prompts=16,
+    )
+    evaluation = Evaluation(config, WordTokenizer(), data)
+    assert evaluation.seen_in_training > 0  # the same questions, in another prompt
+    assert len(evaluation.prompts) == 16  # the limit counts the held-out rows, not the dropped

@@ -51,6 +51,22 @@ def test_tensorboard_events_read_back_and_a_resume_hides_the_rerun_steps(tmp_pat
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("reward")] == [(1, 5.1)]
 
 
+def test_a_launch_from_step_0_hides_the_earlier_launchs_step_0(tmp_path):
+    """A restart without a checkpoint writes step 0 (eval.before_training) again: shown once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = LoggingConfig(tensorboard=True)
+    for value in (0.1, 0.7):
+        log = MetricsLog(tmp_path, sinks=metric_sinks(settings, tmp_path, 0, "job", {}))
+        log.write({"step": 0, "eval/reward": value})
+        log.write({"step": 1, "eval/reward": value + 0.1})
+        log.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    shown = [(e.step, round(e.value, 4)) for e in events.Scalars("eval/reward")]
+    assert shown == [(0, 0.7), (1, 0.8)]
+
+
 def test_curves_have_a_titled_panel_per_metric_with_a_smoothed_line(tmp_path):
     history = [
         {

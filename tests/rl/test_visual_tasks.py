@@ -9,6 +9,7 @@ from collections import Counter
 
 from PIL import Image
 
+from relax_launch.models.vlm_processor import VisionProcessor
 from relax_launch.rl.visual_tasks import (
     KINDS,
     count_shapes,
@@ -53,3 +54,17 @@ def test_the_tiny_vlm_sees_an_image_as_nine_tokens():
     assert encoded.image_grid_thw.tolist() == [[1, 6, 6]]
     image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert encoded.ids.count(image_token) == 9
+
+
+class BosTokenizer:
+    """Adds a BOS id (1) unless told not to, as a Llama-style tokenizer does."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] * add_special_tokens + [ord(c) for c in text]}
+
+
+def test_the_rendered_prompt_gets_no_special_tokens_the_template_did_not_write():
+    # SGLang tokenizes the rendered chat without adding special tokens: the trainer's ids too
+    processor = VisionProcessor.__new__(VisionProcessor)
+    processor.tokenizer = BosTokenizer()
+    assert processor.encode_text("hi", []).ids == [ord("h"), ord("i")]

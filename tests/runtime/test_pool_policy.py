@@ -54,6 +54,30 @@ def test_a_judge_burst_takes_free_ranks_once_its_throughput_is_read() -> None:
     assert "1.00 requests/s" in move.reason and move.evidence["waiting_on"] == "genrm"
 
 
+def test_a_judge_answering_in_batches_is_read_at_its_rate_not_its_batches() -> None:
+    """A CPU judge answers its requests a few at a time (one prefill for several): 4 answers
+    every 4 s is 1 request/s, not 4 answers in the last half-second's reading (8/s), which
+    made a long judge burst look too short to pay a start."""
+    policy = PoolPolicy(CONFIG)
+    for tick in range(17):  # a reading every 0.5 s, 4 answered at each 4 s
+        judge = role("genrm", outstanding=60.0 - tick // 8 * 4, answered=tick // 8 * 4.0)
+        policy.decide(PoolView(tick * 0.5, 0, (judge,), waiting_on="genrm"))
+    assert policy.estimates["genrm"].rate == pytest.approx(1.0)
+
+
+def test_an_engine_joining_or_leaving_restarts_the_rate_window() -> None:
+    """Answers counted over engines that came or went would skew the rate: an engine removed
+    lowers the role's answered total (the window stretched on, the rate came out low), one
+    added would have its answers divided among engines that were not all serving."""
+    policy = PoolPolicy(CONFIG)
+    policy.decide(PoolView(0.0, 0, (role("genrm", outstanding=40.0, serving=2, engines=2),)))
+    gone = role("genrm", outstanding=40.0, answered=0.0)  # one of the two engines left
+    policy.decide(PoolView(5.0, 0, (gone,)))
+    policy.decide(PoolView(10.0, 0, (replace(gone, outstanding=35.0, answered=5.0),)))
+    # 5 answers over the 5 s since the engine left: 1/s (the stretched window gave 0.5/s)
+    assert policy.estimates["genrm"].rate == pytest.approx(1.0)
+
+
 def test_no_move_for_a_busy_role_a_role_at_its_cap_or_a_gain_below_the_minimum() -> None:
     for changed in ({"busy": True}, {"most": 1}, {"start_s": 1000.0}):
         policy = PoolPolicy(CONFIG)

@@ -73,6 +73,39 @@ def genrm_manager() -> InferenceManager:
     return manager
 
 
+def rollout_scaler(tmp_path, monkeypatch, sync_lock: threading.Lock | None = None):
+    """A scaler of a rollout role with one planned engine serving synced weights and one
+    reserved, its ranks' commands answered in process."""
+    monkeypatch.setattr(scaling, "get_json", lambda url, path, timeout_s: {})
+    monkeypatch.setattr(scaling, "POLL_S", 0.02)
+    job = {**JOB, "rollout": {"ranks": 1, "max_engines": 2, "engine": {"max_total_tokens": 2048}}}
+    job["genrm"] = {**JOB["genrm"], "max_engines": 2}
+    manager = InferenceManager(
+        role="rollout",
+        model_id="tiny-llama",
+        served_model_name="/models/tiny-llama",
+        weight_source=WeightSource.TRAINER,
+        routing=RoutingSpec(default_model="tiny-llama"),
+        elastic=True,
+    )
+    manager.attach(
+        [EngineHandle("tiny-llama/0", "http://10.0.0.0:30000", "rollout", False, index=0)]
+    )
+    manager.weights_valid = True  # the first sync has committed
+    ranks = Ranks()
+    made = scaling.EngineScaler(
+        plan=plan(build_config(job)),
+        managers={"rollout": manager},
+        call=ranks,
+        startup_timeout_s=30,
+        drain_timeout_s=30,
+        sync_lock=sync_lock or threading.Lock(),
+        log_dir=tmp_path,
+    )
+    made.ranks, made.manager = ranks, manager
+    return made
+
+
 @pytest.fixture
 def scaler(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "get_json", lambda url, path, timeout_s: {})  # healthy
@@ -343,30 +376,9 @@ def test_a_rollout_scale_out_that_times_out_stops_its_engine_only_between_syncs(
     """A scaled-out rollout engine is routed once a sync commits on it; when none does in time,
     the engine is stopped again, but never while a sync runs (it may have admitted the engine:
     stopping it there failed the sync, and its repair looked the engine up: a KeyError)."""
-    monkeypatch.setattr(scaling, "get_json", lambda url, path, timeout_s: {})
-    job = {**JOB, "rollout": {"ranks": 1, "max_engines": 2, "engine": {"max_total_tokens": 2048}}}
-    job["genrm"] = {**JOB["genrm"], "max_engines": 2}
-    manager = InferenceManager(
-        role="rollout",
-        model_id="tiny-llama",
-        served_model_name="/models/tiny-llama",
-        weight_source=WeightSource.TRAINER,
-        routing=RoutingSpec(default_model="tiny-llama"),
-        elastic=True,
-    )
-    manager.attach(
-        [EngineHandle("tiny-llama/0", "http://10.0.0.0:30000", "rollout", False, index=0)]
-    )
-    ranks, sync_lock = Ranks(), threading.Lock()
-    scaler = scaling.EngineScaler(
-        plan=plan(build_config(job)),
-        managers={"rollout": manager},
-        call=ranks,
-        startup_timeout_s=30,
-        drain_timeout_s=30,
-        sync_lock=sync_lock,
-        log_dir=tmp_path,
-    )
+    sync_lock = threading.Lock()
+    scaler = rollout_scaler(tmp_path, monkeypatch, sync_lock)
+    ranks = scaler.ranks
     op = scaler.request("rollout", "scale_out", 2, timeout_s=1.0)
     time.sleep(0.3)  # started, joining: a weight sync begins and holds the lock past the deadline
     with sync_lock:

@@ -7,21 +7,27 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
+import httpx
 import pytest
 from test_scaling import Ranks, ended
 
 from relax_launch.config import build_config
 from relax_launch.config.errors import ConfigError
-from relax_launch.inference.discovery import RoutingSpec, WeightSource
+from relax_launch.inference.config import GatewayConfig
+from relax_launch.inference.control_plane import ControlPlane
+from relax_launch.inference.discovery import Discovery, RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.engine_load import EngineLoad
+from relax_launch.inference.gateway import InferenceGateway
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.scale_routes import ScaleRefused
+from relax_launch.inference.serve import GatewayServer
 from relax_launch.placement import plan
 from relax_launch.placement.config import SpareAutoscaleConfig
 from relax_launch.placement.render import summary
-from relax_launch.runtime import pool_autoscaler, scaling
+from relax_launch.runtime import autoscaler, pool_autoscaler, scaling
 
 ENGINE = {"max_total_tokens": 2048}
 JOB = {
@@ -123,7 +129,7 @@ def test_the_pool_autoscaler_moves_the_spare_to_a_burst_and_logs_why(scaler, mon
     """The shell reads the roles (the engines' own load, the answered counts), asks the scaler
     for the policy's move and writes it, with what it saw, to autoscaler.jsonl."""
     loads = {"http://genrm.test:30000": EngineLoad(queued=20, running=4, tokens_per_s=0)}
-    monkeypatch.setattr(pool_autoscaler, "engine_load", lambda url: loads.get(url))
+    monkeypatch.setattr(autoscaler, "engine_load", lambda url, timeout_s: loads.get(url))
     log = scaler.log_dir / "autoscaler.jsonl"
     config = SpareAutoscaleConfig(min_gain_s=1, hold_s=0, start_estimate_s=1)
     auto = pool_autoscaler.PoolAutoscaler(config, scaler, scaler.managers, log)
@@ -149,3 +155,74 @@ def test_the_pool_autoscaler_moves_the_spare_to_a_burst_and_logs_why(scaler, mon
         "genrm/pool_engines": 1.0,
         "teacher/pool_engines": 0.0,
     }
+
+
+def test_discovery_shows_the_pool_and_who_holds_it_as_the_admin_route_does(scaler) -> None:
+    """``GET /{role}/engines`` (public) of every pool role carries the pool: its ranks, the
+    free ones and the engine holding the others, from the scaler's one answer that the admin
+    route's replicas (and so ``relax-launch top``) read; the document still validates as
+    discovery (the direct client parses it)."""
+    gateway = InferenceGateway(scaler.managers, config=GatewayConfig(), admin_token="t0ken")
+    ControlPlane.scaled_by(SimpleNamespace(server=SimpleNamespace(app=gateway)), scaler)
+    server = GatewayServer(gateway, "127.0.0.1", 0)
+    server.start()
+    try:
+
+        def pool(role: str) -> dict:
+            reply = httpx.get(f"{server.url}/{role}/engines", timeout=10)
+            Discovery.model_validate_json(reply.text)
+            return reply.json()["pool"]
+
+        free = {"ranks": [4], "roles": ["genrm", "teacher"], "free_ranks": [4], "engines": []}
+        assert pool("genrm") == pool("teacher") == free
+        assert ended(scaler, scaler.request("genrm", "scale_out", 2))["state"] == "succeeded"
+        held = {"role": "genrm", "engine_id": "tiny-llama/1", "ranks": [4], "state": "serving"}
+        assert pool("teacher") == {**free, "free_ranks": [], "engines": [held]}
+        root = httpx.get(f"{server.url}/engines", timeout=10).json()  # every role at once
+        assert root["pool"] == pool("genrm") and root["roles"]["genrm"]["pool"] == root["pool"]
+        auth = {"authorization": "Bearer t0ken"}
+        admin = httpx.get(f"{server.url}/teacher/admin/engines", headers=auth, timeout=10)
+        states = [r["state"] for r in admin.json()["replicas"]]
+        assert states == ["serving", "spare pool, held by tiny-llama/1 (genrm)"]
+    finally:
+        server.stop()
+
+
+def test_the_pool_autoscaler_reads_every_role_at_once_and_no_operation_list(
+    scaler, monkeypatch
+) -> None:
+    """A reading of the pool roles' engines is concurrent and bounded (an engine that does not
+    answer costs one bound, not one per engine), and the measured start comes from the scaler's
+    index of ended operations, not a scan of the 256 it keeps."""
+    loads = {"http://genrm.test:30000": 3.0, "http://teacher.test:30000": 5.0}
+    together = threading.Barrier(2, timeout=10.0)  # passes only while both are read at once
+
+    def load_read_with_the_other(url, timeout_s):
+        together.wait()
+        return EngineLoad(queued=loads[url], running=1, tokens_per_s=0)
+
+    monkeypatch.setattr(autoscaler, "engine_load", load_read_with_the_other)
+    auto = pool_autoscaler.PoolAutoscaler(
+        SpareAutoscaleConfig(), scaler, scaler.managers, scaler.log_dir / "autoscaler.jsonl"
+    )
+    view = auto.view(0.0)  # read one after another, neither engine would count (2 s bound)
+    assert [(r.role, r.outstanding) for r in view.roles] == [("genrm", 4.0), ("teacher", 6.0)]
+    answer, answered = threading.Event(), threading.Event()
+
+    def unanswered(url, timeout_s):
+        answer.wait(30)
+        answered.set()
+
+    monkeypatch.setattr(autoscaler, "engine_load", unanswered)
+    try:  # an engine that has not answered by the bound counts nothing, and is not waited on
+        assert autoscaler.read_loads(scaler.managers, timeout_s=0.5)["genrm"].queued == 0
+        assert not answered.is_set()
+    finally:
+        answer.set()
+
+    monkeypatch.setattr(autoscaler, "engine_load", lambda url, timeout_s: None)
+    ended(scaler, scaler.request("genrm", "scale_out", 2))
+    measured = scaler.succeeded[("genrm", "scale_out")]
+    monkeypatch.setattr(scaler, "listed", lambda role, kind: pytest.fail("scanned the list"))
+    (genrm, _) = auto.view(1.0).roles
+    assert genrm.start_s == measured.finished - measured.started

@@ -11,20 +11,29 @@ argv: model_dir, tp (2: TP=2 x DP=1; 1: TP=1 x DP=2), dtype. Rank 0 prints one J
   model, loads it and replays steps 4-6: ``resumed_losses`` and ``resumed_values``, which must
   equal the first run's (``final_values``);
 - ``stale_clip_fractions``: 3 steps towards tripled returns with V_old fixed before the first
-  (as ``critic.mini_batches`` does): the first cannot clip, the later ones do.
+  (as ``critic.mini_batches`` does): the first cannot clip, the later ones do;
+- ``parameters`` (the value model's on rank 0) and ``planned_parameters`` (the memory plan's:
+  ``placement/critic_memory.py``), ``dp_all_reduces`` (a train step's on the data-parallel
+  group), ``load_copied_bytes`` (the tensors ``Critic.load`` copied: only the optimizer state
+  it keeps, ``optimizer_state_bytes``; the rest is copied into the live tensors).
 """
 
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from relax_launch import platform
+from relax_launch.models.sizes import model_size
+from relax_launch.placement.critic_memory import critic_params
 from relax_launch.placement.plan import TrainerLayout
 from relax_launch.rl.critic_config import CriticConfig
 from relax_launch.runtime.control import Command, ControlChannel, Shutdown
@@ -57,15 +66,59 @@ def fixed_batch() -> tuple[TokenBatch, list[list[float]]]:
     return batch, returns
 
 
+@contextmanager
+def counted_all_reduces(group) -> Iterator[list[int]]:
+    """The all-reduces rank 0 makes on ``group`` meanwhile (count in the list's one item)."""
+    count, real = [0], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        count[0] += kwargs.get("group") is group
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield count
+    finally:
+        dist.all_reduce = real
+
+
+class CopiedBytes(TorchDispatchMode):
+    """The bytes of the tensors that copies (clone, to) create meanwhile on this rank."""
+
+    COPIES = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.COPIES:
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for part in optimizer.chained_optimizers
+        for per_param in part.optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
 def drive(client: CriticClient, channel: ControlChannel, layout, directory: str, local) -> dict:
     batch, returns = fixed_batch()
     report: dict = {"initial": client.values(batch)}
     losses, clips, norms = [], [], []
     for step in range(STEPS):
         old = client.values(batch)
-        metrics = client.train(
-            critic_batch(batch, [[0.0, *r] for r in returns], [[0.0, *v] for v in old]), CLIP
-        )
+        with counted_all_reduces(local["dp_group"]) as reduces:
+            metrics = client.train(
+                critic_batch(batch, [[0.0, *r] for r in returns], [[0.0, *v] for v in old]), CLIP
+            )
+        report["dp_all_reduces"] = reduces[0]
         losses.append(metrics["critic/value_loss"])
         clips.append(metrics["critic/clip_fraction"])
         norms.append(metrics["critic/grad_norm"])
@@ -73,7 +126,10 @@ def drive(client: CriticClient, channel: ControlChannel, layout, directory: str,
             report["saved_files"] = client.save(directory)
     report["final_values"] = client.values(batch)
     channel.call(Rebuild(), layout.ranks, local[Rebuild.op])
-    report["loaded_steps"] = client.load(directory)
+    with CopiedBytes() as copied:
+        report["loaded_steps"] = client.load(directory)
+    report["load_copied_bytes"] = copied.bytes
+    report["optimizer_state_bytes"] = optimizer_state_bytes(local["worker"].critic.optimizer)
     resumed = []
     for _ in range(STEPS - SAVED_AFTER):
         old = client.values(batch)
@@ -115,6 +171,7 @@ def main() -> None:
     worker = CriticWorker(critic=build(), shards=shards)
     handlers = worker.handlers()
     handlers[Rebuild.op] = lambda c: setattr(worker, "critic", build())
+    handlers["dp_group"], handlers["worker"] = pgc.dp, worker  # for the report, not commands
     channel = ControlChannel(
         store, rank=rank, roles=dict.fromkeys(layout.ranks, "trainer"), timeout_s=120
     )
@@ -122,6 +179,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as directory:
             client = CriticClient(channel, shards, layout, handlers)
             report = drive(client, channel, layout, directory, handlers)
+            size = model_size(model_dir)
+            report["planned_parameters"] = critic_params(size, 0, 1, tp, 1)
+            module = worker.critic.model.module
+            report["parameters"] = sum(p.numel() for p in module.parameters())
             channel.call(Shutdown(), layout.ranks)
         print(json.dumps({"rank": 0, **report}), flush=True)
     else:

@@ -78,3 +78,20 @@ def test_the_value_clip_binds_only_once_values_are_stale(runs):
         first, *later = report["stale_clip_fractions"]
         assert first == 0.0 and report["clip_fractions"] == [0.0] * 6  # V = V_old: nothing cut
         assert later[-1] > 0.5, report["stale_clip_fractions"]
+
+
+def test_the_memory_plan_counts_the_value_model_built(runs):
+    """The value head replaces the vocab-sized head before the model reaches the device: the
+    plan counts the value model's parameters as built (the final norm aside), not the LM head."""
+    for tp, report in runs.items():
+        planned, built = report["planned_parameters"], report["parameters"]
+        assert abs(planned - built) <= 64, (tp, planned, built)  # the final norm's 64
+
+
+def test_a_step_reduces_its_sums_once_and_a_load_stays_in_host_memory(runs):
+    for report in runs.values():
+        assert report["dp_all_reduces"] == 1  # loss, count, tokens, clipped: one tensor
+        # a load allocates the optimizer state the optimizer keeps, and no copy of the rest:
+        # the weights are copied into the live parameters
+        kept = report["optimizer_state_bytes"]
+        assert 0 < report["load_copied_bytes"] <= kept, (report["load_copied_bytes"], kept)

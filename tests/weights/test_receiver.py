@@ -4,6 +4,8 @@ staged for ``load_weights``, and that staging buffers are kept for the next sync
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from relax_launch.inference.process import free_port
 from relax_launch.platform import sync_bucketing
 from relax_launch.weights.broadcast_group import custom_group
+from relax_launch.weights.engine_caches import forget_image_features
 from relax_launch.weights.receiver import _receiver_state as receiver_state
 from relax_launch.weights.receiver import receive, reported
 from relax_launch.weights.staging import checkpoint_names
@@ -284,3 +287,22 @@ def test_fused_tensors_that_do_not_fit_go_to_load_weights_under_checkpoint_names
         "shared_expert.up_proj.weight",
     ]
     assert named("gate.weight", w2) == [("gate.weight", w2.tolist())]
+
+
+def test_image_features_are_forgotten_only_when_the_vision_tower_changes(monkeypatch):
+    """A text model's update (or a frozen tower's) imports and clears nothing; an update of
+    the tower clears SGLang's image feature cache once."""
+    cleared = []
+    cache = types.SimpleNamespace(clear=lambda: cleared.append(True))
+    managers = types.ModuleType("sglang.srt.managers")
+    managers.mm_schedule = types.SimpleNamespace(embedding_cache=cache)
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers", managers)
+    forget_image_features(["model.layers.0.mlp.up_proj.weight", "lm_head.weight"])
+    assert cleared == []
+    monkeypatch.delitem(sys.modules, "sglang.srt.managers")
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers", None)  # an import would raise
+    forget_image_features(["model.embed_tokens.weight"])
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers", managers)
+    forget_image_features(["model.layers.0.mlp.up_proj.weight", "visual.blocks.0.attn.qkv.weight"])
+    forget_image_features(["model.visual.merger.mlp.0.weight"])
+    assert cleared == [True, True]

@@ -1,0 +1,87 @@
+"""Images in agentic conversations (a user turn or a tool result with an ``image_url`` part), token
+in and token out as for text.
+
+SGLang takes a prompt's images beside its token ids (``image_data``), but its multimodal
+processor does not use the ids as given: it decodes them to text, finds each image's
+placeholder run and tokenises the text again, expanding each image to its patch count
+(``BaseMultimodalProcessor.load_mm_data``). So a turn with images is sent with one placeholder
+per image (what the chat template renders; earlier turns' runs collapsed again) and asks for the
+prompt's ids as the engine saw them (``return_prompt_token_ids``). Those replace the recorded
+context, each placeholder run stretched to the engine's length, provided they are the ids sent
+in every other place; if the engine's re-tokenisation changed any other token (an earlier reply
+it would split otherwise) the conversation cannot be trained exactly and is rejected, as a
+conversation that does not extend its last turn is.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+from typing import Any
+
+from relax_launch.inference.images import image_urls
+
+IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL family's image placeholder token
+
+
+def placeholder(tokenizer: Any) -> int:
+    """The id of the image placeholder token of ``tokenizer``'s model."""
+    return tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+
+
+def image_request(context: list[int], conversation: list[dict[str, Any]], tokenizer: Any) -> dict:
+    """The fields a /generate body adds for ``conversation``'s images (none: {})."""
+    images = image_urls(conversation)
+    if not images:
+        return {}
+    return {
+        "input_ids": collapsed(context, placeholder(tokenizer)),
+        "image_data": images,
+        "return_prompt_token_ids": True,
+    }
+
+
+def collapsed(ids: list[int], pad: int) -> list[int]:
+    """``ids`` with each run of placeholders ``pad`` as one placeholder."""
+    out: list[int] = []
+    for token, run in groupby(ids):
+        out += [token] if token == pad else list(run)
+    return out
+
+
+def sources(sent: list[int], seen: list[int], pad: int) -> list[int] | None:
+    """For each token the engine saw (``seen``), the index of the token sent it stands for
+    (a placeholder run maps onto the run sent); None when the two differ elsewhere."""
+    if collapsed(sent, pad) != collapsed(seen, pad):
+        return None
+    runs_sent = [(t, len(list(r))) for t, r in groupby(sent)]
+    runs_seen = [(t, len(list(r))) for t, r in groupby(seen)]
+    if len(runs_sent) != len(runs_seen):
+        return None
+    index, start = [], 0
+    for (token, length), (_, seen_length) in zip(runs_sent, runs_seen, strict=True):
+        if token != pad and length != seen_length:
+            return None
+        index += [start + min(k, length - 1) for k in range(seen_length)]
+        start += length
+    return index
+
+
+def as_the_engine_saw(trajectory: Any, seen: list[int], tokenizer: Any) -> str | None:
+    """Take the engine's prompt ids ``seen`` as ``trajectory``'s context (its ``prompt_ids``
+    and ``ids`` with their masks, logprobs and versions: placeholder tokens are context, mask
+    0); why not, when the engine tokenised the conversation otherwise."""
+    t = trajectory
+    sent = t.prompt_ids + t.ids
+    index = sources(sent, seen, placeholder(tokenizer))
+    if index is None:
+        return "the engine tokenised the conversation with its images otherwise"
+    split = next((j for j, i in enumerate(index) if i >= len(t.prompt_ids)), len(index))
+    first, tail = len(t.prompt_ids), index[split:]  # where ids began in what was sent
+    t.prompt_ids, t.ids = list(seen[:split]), list(seen[split:])
+    t.mask = [t.mask[i - first] for i in tail]
+    t.logprobs = [t.logprobs[i - first] for i in tail]
+    # versions cover the tokens before this turn's new context (_record adds the rest)
+    t.token_versions = [
+        t.token_versions[i - first] for i in tail if i - first < len(t.token_versions)
+    ]
+    return None

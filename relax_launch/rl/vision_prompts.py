@@ -1,0 +1,173 @@
+"""Prompts with images for a vision-language policy: their image parts read (on rank 0), and
+encoded once for both sides of the step.
+
+A chat message's content may be a list of parts: ``{"type": "text", "text": ...}``, and images
+as ``{"type": "image_url", "image_url": {"url": URL}}`` or ``{"type": "image", "image":
+SOURCE}``. An image is a ``data:`` URL, a local file (a path or ``file://`` URL), or the
+image file's bytes (a Parquet binary field, or an HF ``datasets`` Image value ``{"bytes",
+"path"}``); remote URLs are refused (nothing is downloaded). A row's ``images`` list (TRL's
+layout: ``{"type": "image"}`` parts without an image, the images in a column) fills them in
+order; a row without such parts keeps its ``images`` field as data (``rl/data.py``), and a
+content of text parts alone reads as one string.
+
+``VisionEncoder.encode`` gives the trainer's token ids (the chat template with each image's
+placeholder expanded to its token count, ``models/vlm_processor.py``) and the ``PromptImages``
+the rollout and the trainer need: the images as ``data:`` URLs with the template's ids (one
+placeholder per image: SGLang's Qwen-VL processor expands them itself) for the engine, and the
+patches and grids for the trainer. The engine's expansion is the trainer's: the rollout checks
+every reply's prompt token count against it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relax_launch.rl.prompt import Prompt
+
+if TYPE_CHECKING:  # torch: only on rank 0's encoder (the CLI's input check reads images alone)
+    from relax_launch.trainer.batch import RowImages
+
+IMAGE_TYPES = ("image", "image_url")
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's images, encoded: for the engine (``urls``, ``engine_ids``) and the
+    trainer (``rows``)."""
+
+    urls: tuple[str, ...]
+    engine_ids: tuple[int, ...]
+    rows: RowImages
+
+
+def image_parts(
+    messages: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+) -> list[tuple[str, Any]]:
+    """(where, part) of every image part of ``messages``, in order."""
+    found = []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_TYPES:
+                found.append((f"messages[{m}].content[{k}]", part))
+    return found
+
+
+def attach_images(
+    messages: tuple[dict[str, Any], ...], images: Any, where: str
+) -> tuple[dict[str, Any], ...]:
+    """A row's ``images`` column (TRL's layout; an HF datasets ``Sequence(Image)`` reads as
+    ``{"bytes", "path"}`` values) given to its image parts without an image, in order."""
+    if images is None:
+        return messages
+    if not isinstance(images, list):
+        raise ValueError(f"{where}: images must be a list of images, one per image part")
+    left = list(images)
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {**part, "image": left.pop(0)}
+                if part.get("type") == "image" and not part.get("image") and left
+                else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    if left:
+        raise ValueError(f"{where}: {len(images)} images for {len(images) - len(left)} image parts")
+    return tuple(out)
+
+
+def text_of(content: Any) -> str:
+    """A message's text: its content, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+
+
+def image_bytes(part: dict[str, Any]) -> bytes:
+    """The image file's bytes of one image part (the module docstring's sources); a ValueError
+    saying what is wrong."""
+    source = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
+    if isinstance(source, dict):  # {"url": ...} (OpenAI), {"bytes", "path"} (HF datasets Image)
+        source = source.get("url") or source.get("bytes") or source.get("path")
+    if isinstance(source, bytes | bytearray):
+        return bytes(source)
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"an {part.get('type')} part needs an image (a data: URL, a path, bytes)")
+    if source.startswith("data:"):
+        try:
+            return base64.b64decode(source.partition(",")[2], validate=True)
+        except ValueError:
+            raise ValueError("its data: URL is not base64") from None
+    if "://" in source and not source.startswith("file://"):
+        raise ValueError(f"remote image URLs are not read (only data: URLs and files): {source}")
+    path = Path(source.removeprefix("file://")).expanduser()
+    if not path.is_file():
+        raise ValueError(f"image file {path} does not exist")
+    return path.read_bytes()
+
+
+def open_image(data: bytes) -> Any:
+    """The RGB PIL image of an image file's bytes; a ValueError when they are not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"not an image ({exc})") from None
+    return image.convert("RGB")
+
+
+def prompt_images(prompt: Prompt) -> list[Any]:
+    """The PIL images of ``prompt``'s image parts; a ValueError naming the row and the part."""
+    images = []
+    for where, part in image_parts(prompt.messages):
+        try:
+            images.append(open_image(image_bytes(part)))
+        except ValueError as exc:
+            raise ValueError(f"row {prompt.index} {where}: {exc}") from None
+    return images
+
+
+def png_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+class VisionEncoder:
+    """Prompts -> token ids and ``PromptImages`` with the processor of the model in
+    ``model_dir`` (a vision-language policy's)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from relax_launch.models.vlm_processor import VisionProcessor  # torch, transformers
+
+        self.processor = VisionProcessor(model_dir)
+
+    def encode(self, prompt: Prompt) -> tuple[Prompt, list[int]]:
+        """``prompt`` with its ``images`` encoded (none: unchanged), and the trainer's ids."""
+        tokenizer = self.processor.tokenizer
+        text = tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, tokenize=False
+        )
+        images = prompt_images(prompt)
+        if not images:
+            return prompt, tokenizer.encode(text, add_special_tokens=False)
+        from relax_launch.trainer.batch import RowImages  # torch, loaded with the processor
+
+        encoded = self.processor.encode_text(text, images)
+        vision = PromptImages(
+            urls=tuple(png_url(image) for image in images),
+            engine_ids=tuple(tokenizer.encode(text, add_special_tokens=False)),
+            rows=RowImages(encoded.pixel_values.float(), encoded.image_grid_thw.long()),
+        )
+        return replace(prompt, images=vision), list(encoded.ids)

@@ -1,0 +1,74 @@
+"""The trainer's policy when it is a vision-language model (Qwen2.5-VL, ``trainer/vlm_model.py``):
+built and loaded from the HF checkpoint, under Megatron's DDP like the text families, and
+exported under the checkpoint's HF names (``model.*`` for the language model, ``visual.*`` for
+the tower), which SGLang's Qwen2.5-VL loader and transformers read.
+
+With ``trainer.freeze_vision`` the tower (patch embedding, blocks, merger) takes no gradient:
+the optimizer holds only the language model, and a sync that sends only what training changes
+(decoupled engines) leaves the tower out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relax_launch.trainer.config import TrainerConfig
+from relax_launch.trainer.hf_export import HFExport
+from relax_launch.trainer.model import wrap_ddp
+from relax_launch.trainer.vlm_conversion import (
+    VISION,
+    VLM_ARCHITECTURES,
+    VLShape,
+    vlm_megatron_to_hf,
+    vlm_tp_split_dim,
+)
+from relax_launch.trainer.vlm_model import build_vlm_module, load_vlm_checkpoint, read_vl_shape
+
+
+def is_vision_language(model_dir: Path) -> bool:
+    """Whether the HF model in ``model_dir`` is a vision-language model the trainer builds."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (config.get("architectures") or [""])[0] in VLM_ARCHITECTURES
+
+
+def build_vlm_policy(
+    section: TrainerConfig, pgc: Any, device: str, model_dir: Path
+) -> tuple[Any, VLShape]:
+    """The DDP-wrapped trainer Qwen2.5-VL of ``model_dir``, loaded, and its shape."""
+    shape = read_vl_shape(model_dir)
+    module = build_vlm_module(shape, section, pgc, device)
+    load_vlm_checkpoint(module, model_dir, pgc)
+    if section.freeze_vision:  # before DDP, which buckets only the trainable parameters
+        module.vision.requires_grad_(False)
+    return wrap_ddp(module, section, pgc), shape
+
+
+class VLMExport(HFExport):
+    """``HFExport`` of the trainer's Qwen2.5-VL: the language model TP-gathered and converted
+    like a Qwen2 decoder's, the replicated tower as it is, under ``visual.``."""
+
+    def __init__(self, module: Any, shape: VLShape, pgc: Any) -> None:
+        super().__init__(module, shape.text, pgc, {})
+        self.vl_shape = shape
+
+    def split_dim(self, name: str) -> int | None:
+        return vlm_tp_split_dim(name)
+
+    def to_hf(
+        self, name: str, full: torch.Tensor, fused: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return vlm_megatron_to_hf(
+            name, full, self.vl_shape, tp_size=self.pgc.tp.size(), fused=fused
+        )
+
+    def _params(self, changed_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight; with ``changed_only``, not a frozen tower's."""
+        for name, param in super()._params(changed_only):
+            if changed_only and name.startswith(VISION) and not param.requires_grad:
+                continue
+            yield name, param
