@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from relax_launch.models.registry import is_vision_language_config
 from relax_launch.rl.checkpoints import COMPLETE, Checkpoints
 from relax_launch.rl.exports import MODEL_FILES, MODEL_RECORD
 from relax_launch.run_dir import JOB_RECORD
@@ -43,7 +44,6 @@ from relax_launch.trainer.lora import COLUMN, SPLIT, merged, peft_config, peft_t
 from relax_launch.trainer.model_shape import ModelShape
 from relax_launch.trainer.trainer import shard_name
 from relax_launch.trainer.vlm_conversion import (
-    VLM_ARCHITECTURES,
     VLShape,
     vlm_megatron_to_hf,
     vlm_tp_split_dim,
@@ -107,7 +107,7 @@ class CheckpointModel:
         config = json.loads((directory / MODEL_FILES / "config.json").read_text())
         lora = LoraConfig(**trainer["lora"]) if trainer.get("lora") else None
         vision = None
-        if (config.get("architectures") or [""])[0] in VLM_ARCHITECTURES:
+        if is_vision_language_config(config):
             vision = VLShape.from_hf_config(config)
         model = cls(
             directory=directory,

@@ -88,6 +88,7 @@ TRAINABLE_ARCHITECTURES = (
 # Vision-language models the trainer builds (trainer/vlm_model.py; docs/vlm.md): their
 # language model is checked when the trainer reads the config (trainer/vlm_conversion.py).
 VISION_LANGUAGE_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+IMAGE_PAD = "<|image_pad|>"  # their image placeholder token (Qwen2-VL family)
 # RoPE variants that change only the rotary frequencies (trainer/model.py applies them).
 TRAINABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -170,3 +171,8 @@ def is_vision_language(ref: str) -> bool:
     """Whether ``ref`` names a vision-language model (by its facts; False when unknown)."""
     facts = model_facts(ref)
     return facts is not None and facts.architecture in VISION_LANGUAGE_ARCHITECTURES
+
+
+def is_vision_language_config(cfg: dict) -> bool:
+    """Whether Hugging Face ``cfg`` is of a vision-language model the trainer builds."""
+    return (cfg.get("architectures") or [""])[0] in VISION_LANGUAGE_ARCHITECTURES

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-IMAGE_PAD = "<|image_pad|>"
+from relax_launch.models.registry import IMAGE_PAD
 
 
 @dataclass

@@ -19,8 +19,7 @@ from itertools import groupby
 from typing import Any
 
 from relax_launch.inference.images import image_urls
-
-IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL family's image placeholder token
+from relax_launch.models.registry import IMAGE_PAD
 
 
 def placeholder(tokenizer: Any) -> int:

@@ -30,7 +30,10 @@ class EnvironmentConfig(Section):
         "Only the standard library, openai and the module are imported there.",
     )
     load_timeout_s: float = Field(
-        120.0, gt=0, description="Time the module may take to import and load its environment."
+        600.0,
+        gt=0,
+        description="Time the module may take to import and load its environment (a cold "
+        "node's library import and dataset preparation can take minutes).",
     )
     rollout_timeout_s: float = Field(
         600.0, gt=0, description="Time one rollout (all its turns and its rubric) may take."

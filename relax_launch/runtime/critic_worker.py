@@ -12,6 +12,7 @@ or load brings the parts it needs back for its own duration."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -187,11 +188,20 @@ class CriticClient(TrainerClient):
     def finish_training(self, started: list[tuple[Posted, Transfer]]) -> list[dict[str, float]]:
         """Each started step's metrics (with ``STEP_SECONDS``), in order."""
         steps = []
-        for posted, transfer in started:
-            replies = self.channel.collect(posted, self.local.get(posted.command.route))
-            self.shards.finish(transfer)
-            steps.append(replies[self._last_stage_rank()])
+        for done, (posted, transfer) in enumerate(started):
+            try:
+                steps.append(self._collect(posted, transfer)[self._last_stage_rank()])
+            except BaseException:  # the later steps' sends are finished too: none left pending
+                for later in started[done + 1 :]:
+                    with contextlib.suppress(Exception):
+                        self._collect(*later)
+                raise
         return steps
+
+    def _collect(self, posted: Posted, transfer: Transfer) -> dict[int, Any]:
+        replies = self.channel.collect(posted, self.local.get(posted.command.route))
+        self.shards.finish(transfer)
+        return replies
 
     def save(self, directory: str) -> list[str]:
         return [path for path in self._call(SaveCritic(directory)).values() if path]

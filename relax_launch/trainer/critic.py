@@ -153,8 +153,9 @@ class Critic:
                 f"{path} is missing: the checkpoint was saved without a critic, or with another "
                 f"{self.tp_field} (resume with the critic section and sizes it was saved with)"
             )
-        # in host memory: each tensor reaches the device only as the copy into its own place
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # mapped from the file, not read into host memory (every rank of a node loads at once);
+        # each tensor reaches the device only as the copy into its own place
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         self.model.module.load_state_dict(state["model"])  # copies into the live parameters
         self.optimizer.load_state_dict(_kept_on(state.pop("optimizer"), self.torch_device))
         self.step = int(state["step"])

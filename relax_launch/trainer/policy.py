@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from relax_launch.models.registry import is_vision_language
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.model import build_gpt, build_gpt_module, load_hf_checkpoint, read_shape
 from relax_launch.trainer.model_shape import ModelShape
 from relax_launch.trainer.vlm_conversion import VLShape
 from relax_launch.trainer.vlm_model import build_vlm_module
-from relax_launch.trainer.vlm_policy import build_vlm_policy, is_vision_language
+from relax_launch.trainer.vlm_policy import build_vlm_policy
 
 
 def build_policy(
@@ -19,7 +20,7 @@ def build_policy(
 ) -> tuple[Any, ModelShape, VLShape | None]:
     """The DDP-wrapped policy loaded from ``model_dir``, its (language model's) shape, and a
     vision-language model's VLShape (None for a text model)."""
-    if is_vision_language(model_dir):
+    if is_vision_language(str(model_dir)):
         model, vision = build_vlm_policy(section, pgc, device, model_dir)
         return model, vision.text, vision
     shape = read_shape(model_dir)

@@ -28,7 +28,6 @@ from relax_launch.trainer.hf_conversion import (
 )
 from relax_launch.trainer.model_shape import ModelShape
 
-VLM_ARCHITECTURES = VISION_LANGUAGE_ARCHITECTURES
 LANGUAGE, VISION = "language.", "vision."  # the trainer module's two parts
 HF_VISION = "visual."
 # transformers' in-memory names -> the checkpoint's
@@ -51,7 +50,7 @@ class VLShape:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> VLShape:
         architecture = (cfg.get("architectures") or ["(none)"])[0]
-        if architecture not in VLM_ARCHITECTURES:
+        if architecture not in VISION_LANGUAGE_ARCHITECTURES:
             raise ValueError(f"architecture {architecture} is not a vision-language model")
         text = dict(cfg.get("text_config") or cfg)
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})

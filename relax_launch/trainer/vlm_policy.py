@@ -10,7 +10,6 @@ the optimizer holds only the language model, and a sync that sends only what tra
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,18 +21,11 @@ from relax_launch.trainer.hf_export import HFExport
 from relax_launch.trainer.model import wrap_ddp
 from relax_launch.trainer.vlm_conversion import (
     VISION,
-    VLM_ARCHITECTURES,
     VLShape,
     vlm_megatron_to_hf,
     vlm_tp_split_dim,
 )
 from relax_launch.trainer.vlm_model import build_vlm_module, load_vlm_checkpoint, read_vl_shape
-
-
-def is_vision_language(model_dir: Path) -> bool:
-    """Whether the HF model in ``model_dir`` is a vision-language model the trainer builds."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return (config.get("architectures") or [""])[0] in VLM_ARCHITECTURES
 
 
 def build_vlm_policy(

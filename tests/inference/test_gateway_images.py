@@ -11,7 +11,6 @@ import io
 import json
 import os
 import struct
-import time
 import zlib
 from pathlib import Path
 
@@ -124,10 +123,8 @@ REFUSED += ["input_embeds"]
 def test_a_bad_image_is_refused_before_any_engine(upstream, images_dir, what):
     body, limits, words = refused_cases(images_dir)[what]
     manager = vision_manager("rollout", f"{upstream.url}/e0")
-    with serve({"rollout": manager}, images=limits) as url:
-        started = time.monotonic()
+    with serve({"rollout": manager}, images=limits) as url:  # a FIFO waited on: a timeout
         reply = httpx.post(f"{url}/rollout/v1/chat/completions", json=body, timeout=10)
-    assert time.monotonic() - started < 5, what  # a FIFO is not waited on
     assert reply.status_code == 400, (what, reply.text)
     error = reply.json()["error"]
     assert error["code"] == 400 and words in error["message"], (what, error)
