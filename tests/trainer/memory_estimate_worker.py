@@ -45,11 +45,12 @@ ALLOCATION = "_ExtraFields_Allocation"
 
 
 def process_memory() -> dict[str, int]:
-    """This process's RSS and PSS in bytes (/proc/self/smaps_rollup)."""
+    """This process's RSS, PSS and anonymous (private, not file-backed) resident bytes
+    (/proc/self/smaps_rollup)."""
     found = {}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
         key, _, rest = line.partition(":")
-        if key in ("Rss", "Pss"):
+        if key in ("Rss", "Pss", "Anonymous", "Shared_Clean", "Private_Clean"):
             found[key.lower()] = int(rest.split()[0]) * 1024
     return found
 
@@ -165,10 +166,15 @@ def measure(case: dict, groups: Groups) -> dict:
         prof, seconds = run_case(case, groups, profiled=True)
         return live_bytes(prof, case["steps"]) | {"seconds": seconds}
     Path("/proc/self/clear_refs").write_text("5")
-    before = process_memory()["rss"]
+    before = process_memory()
     _, seconds = run_case(case, groups, profiled=False)
     peak = high_water_mark()
-    return {"rss_before": before, "peak_rss": peak, "seconds": seconds}
+    return {
+        "rss_before": before["rss"],
+        "shared_clean_before": before["shared_clean"],
+        "peak_rss": peak,
+        "seconds": seconds,
+    }
 
 
 def high_water_mark() -> int:

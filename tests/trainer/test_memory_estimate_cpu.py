@@ -10,14 +10,16 @@ every allocation and free. Each rank's peak over build and steps must be within 
 plan's figure for its device (every trainer term but the per-process runtime), and so must its
 two parts: the state resident between steps (parameters, gradients, master weights, optimizer
 state, a KL reference) and what a step adds to it (activations and logits). A trainer rank's
-runtime (RSS after imports) is held against RUNTIME_BYTES.
+runtime (its anonymous memory after imports: the libraries' shared code pages it maps vary
+with what other processes left in the page cache) is held against RUNTIME_BYTES.
 
 Default run (~40 s): the 4-layer SmolLM2 student, one micro-batch of 4 x 144 tokens per DP
 rank, in five configurations. Slow (two torchrun jobs of ~2 min, an engine test of ~40 s):
 SmolLM2-135M (30 layers) in seven configurations, one in the quickstart's own shape (two
-micro-batches per rank); a 70M-parameter Qwen3-MoE with EP=2; the process's peak RSS against
-the plan's whole figure, runtime included; and SGLang CPU engines: SmolLM2's weights and KV
-cache (its scheduler's RSS less that of an engine of a ~0-byte model) and the runtime.
+micro-batches per rank); a 70M-parameter Qwen3-MoE with EP=2; the process's peak RSS (less the
+shared code pages mapped before the build) against the plan's whole figure, runtime included;
+and SGLang CPU engines: SmolLM2's weights and KV cache (its scheduler's RSS less that of an
+engine of a ~0-byte model) and the runtime.
 """
 
 from __future__ import annotations
@@ -161,10 +163,11 @@ def check_runtime(reports: list[dict]) -> None:
     planned = RUNTIME_BYTES[("cpu", "trainer")]
     for report in reports:
         print(
-            f"trainer rank runtime: RSS {report['rss'] / GB:.3f} GB, PSS "
-            f"{report['pss'] / GB:.3f} GB; planned {planned / GB:.3f} GB"
+            f"trainer rank runtime: anonymous {report['anonymous'] / GB:.3f} GB (RSS "
+            f"{report['rss'] / GB:.3f} GB of which shared code {report['shared_clean'] / GB:.3f} "
+            f"GB, PSS {report['pss'] / GB:.3f} GB); planned {planned / GB:.3f} GB"
         )
-        assert abs(report["rss"] / planned - 1) <= TOLERANCE, (report, planned)
+        assert abs(report["anonymous"] / planned - 1) <= TOLERANCE, (report, planned)
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +208,14 @@ def test_lora_recompute_kl_moe_and_process_rss_are_within_20_percent_of_the_plan
     planned, ranks = found[RSS_CASE]
     whole = planned["total"] + planned["runtime"]
     for rank in ranks:  # what the process holds: tensors, runtime, the allocator's free lists
+        own = rank["peak_rss"] - rank["shared_clean_before"]  # less the shared code pages
         print(
             f"{RSS_CASE}: peak RSS {rank['peak_rss'] / GB:.3f} GB (before the build "
-            f"{rank['rss_before'] / GB:.3f}), plan {whole / GB:.3f} GB with its runtime"
+            f"{rank['rss_before'] / GB:.3f}, of it shared code "
+            f"{rank['shared_clean_before'] / GB:.3f}), plan {whole / GB:.3f} GB with its runtime"
         )
-        if abs(rank["peak_rss"] / whole - 1) > TOLERANCE:
-            off.append(f"{RSS_CASE}: peak RSS {rank['peak_rss'] / GB:.3f} GB")
+        if abs(own / whole - 1) > TOLERANCE:
+            off.append(f"{RSS_CASE}: peak RSS less shared code {own / GB:.3f} GB")
     check_runtime(found["runtime"])
     assert not off, "\n".join(off)
 
