@@ -16,7 +16,7 @@ from relax_launch.models.registry import is_vision_language
 from relax_launch.placement import check_runnable, plan, preflight
 from relax_launch.placement.device_memory import check_device
 from relax_launch.placement.memory_plan import memory_plan
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import Inputs, read_inputs
 from relax_launch.rl.interfaces import JobStopped
 from relax_launch.run_dir import EXIT_STOPPED
 
@@ -38,11 +38,11 @@ def main(argv: list[str]) -> int:
         if rank == 0 and memory is not None:  # the run's record of what it planned
             job.log_dir.mkdir(parents=True, exist_ok=True)
             (job.log_dir / "memory_plan.json").write_text(memory.to_json())
-        prompts = []  # read and checked once, by rank 0: the controller trains on them
+        inputs = Inputs([], [])  # read and checked once, by rank 0: the controller's prompts
         if rank == 0:
             r = job.rollout
             vision = is_vision_language(job.trainer.model)
-            prompts = check_inputs(
+            inputs = read_inputs(
                 job.data, job.reward, job.eval, r.function, r.environment, vision=vision
             )
     except ConfigError as exc:
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     from relax_launch.runtime.job import run_rank
 
     try:
-        run_rank(job, placement, rl_program(job, prompts))
+        run_rank(job, placement, rl_program(job, inputs.prompts, inputs.eval_prompts))
     except JobStopped:  # a checkpoint and the command that resumes are on the console
         leave(EXIT_STOPPED)  # not waiting for the threads of the abandoned step
     return 0

@@ -45,6 +45,7 @@ from relax_launch.trainer.model_shape import ModelShape
 from relax_launch.trainer.trainer import shard_name
 from relax_launch.trainer.vlm_conversion import (
     VLShape,
+    vlm_hf_to_megatron,
     vlm_megatron_to_hf,
     vlm_tp_split_dim,
 )
@@ -148,14 +149,17 @@ class CheckpointModel:
             return saved
         stages = []
         for tp_rank, adapters in enumerate(saved):
-            state = hf_to_megatron(
-                base,
-                self.shape,
-                tp_rank=tp_rank,
-                tp_size=self.tp_size,
-                pp_rank=pp_rank,
-                pp_size=self.pp_size,
-            )
+            if self.vision is not None:  # the language model sharded, the tower whole
+                state = vlm_hf_to_megatron(base, self.vision, tp_rank=tp_rank, tp_size=self.tp_size)
+            else:
+                state = hf_to_megatron(
+                    base,
+                    self.shape,
+                    tp_rank=tp_rank,
+                    tp_size=self.tp_size,
+                    pp_rank=pp_rank,
+                    pp_size=self.pp_size,
+                )
             for name in (k for k in adapters if k.endswith(".lora_a")):
                 linear = name.removesuffix(".lora_a")
                 state[f"{linear}.weight"] = merged(
@@ -170,13 +174,13 @@ class CheckpointModel:
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model under Hugging Face names (LoRA merged), stage by stage; the experts
         of each EP rank from its own shards, the rest from EP rank 0's."""
-        if self.vision is not None:  # one stage, no experts, no LoRA (config/vlm_rules.py)
-            shards = self.saved(0)
+        base = load_base(self.model_dir) if self.lora is not None else None
+        if self.vision is not None:  # one stage, no experts (config/vlm_rules.py)
+            shards = self.merged_stage(0, base)
             for name in (n for n in shards[0] if not n.endswith("._extra_state")):
                 whole = self._joined(shards, name, vlm_tp_split_dim(name))
                 yield from vlm_megatron_to_hf(name, whole, self.vision, tp_size=self.tp_size)
             return
-        base = load_base(self.model_dir) if self.lora is not None else None
         for pp_rank in range(self.pp_size):
             offset = stage_layers(self.shape, pp_rank, self.pp_size).start
             for ep_rank in range(self.ep_size):
@@ -236,6 +240,11 @@ def export_checkpoint(
     if merge_lora and checkpoint.lora is None:
         raise ExportError(
             f"{checkpoint.directory} is a full fine-tune, not LoRA: drop --merge-lora"
+        )
+    if checkpoint.lora is not None and checkpoint.vision is not None and not merge_lora:
+        raise ExportError(
+            f"{checkpoint.directory} holds LoRA adapters of a vision-language model, which "
+            "export merged only (no PEFT adapter form yet): add --merge-lora"
         )
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: choose a new --out directory")

@@ -1,12 +1,15 @@
 """The rules of a job whose policy is a vision-language model (Qwen2.5-VL, docs/vlm.md): what
-its RL step runs today (one-turn rollouts with images on decoupled engines, padded
-micro-batches, the whole model or the language model alone trained and synced) and, naming the
-field, what is not built yet. A text policy refuses the fields and data that need images."""
+its RL step runs today (one-turn and agentic rollouts with images on decoupled or colocated
+engines, fully asynchronous too, eval prompts with images, padded or
+packed micro-batches, the whole model, the language model alone or LoRA on it trained and synced)
+and, naming the field, what is not built yet. A text policy refuses the fields and data that
+need images."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from relax_launch.config.vlm_scorer_rules import scorer_problems
 from relax_launch.models.registry import is_vision_language
 
 if TYPE_CHECKING:
@@ -35,35 +38,45 @@ def vision_language_problems(job: JobConfig) -> list[str]:
             if data.dataset in VISUAL_DATASETS
         ]
         return problems
-    return _unbuilt_problems(job) + _engine_problems(job)
+    return (
+        _unbuilt_problems(job) + _lora_problems(job) + _engine_problems(job) + scorer_problems(job)
+    )
 
 
 def _unbuilt_problems(job: JobConfig) -> list[str]:
-    t, a, r = job.trainer, job.algorithm, job.rollout
+    t, r = job.trainer, job.rollout
     unbuilt = {
-        "trainer.lora": t.lora is not None,
-        "trainer.pack_sequences": t.pack_sequences,
+        "trainer.lora.engines=adapter": t.lora is not None and t.lora.engines == "adapter",
         "trainer.pp_size > 1": t.pp_size > 1,
         "trainer.cp_size > 1": t.cp_size > 1,
-        f"placement.mode={job.placement.mode}": job.placement.mode != "decoupled",
-        "rollout.function (agentic turns)": r.function is not None,
+        # one row per turn would need each turn's images on its own row (rl/agent_vision.py)
+        "rollout.multi_turn=per_turn": r.function is not None and r.multi_turn == "per_turn",
         "rollout.environment": r.environment is not None,
         "rollout.prefill (prefill/decode disaggregation)": r.prefill is not None,
-        "a teacher section": job.teacher is not None,
-        "a genrm section": job.genrm is not None,
         "a critic section": job.critic is not None,
-        "an eval section": job.eval is not None,
-        "algorithm.max_staleness (fully asynchronous rollout)": bool(a.max_staleness),
     }
     fixes = {
-        "trainer.lora": "train every weight (remove trainer.lora); trainer.freeze_vision keeps "
-        "the vision tower as loaded",
-        "trainer.pack_sequences": "set it to false (padded micro-batches)",
+        "trainer.lora.engines=adapter": "use trainer.lora.engines=merged (the engines get the "
+        "language model's targeted weights merged at each sync)",
+        "rollout.multi_turn=per_turn": "use rollout.multi_turn: continue_tokens or strict",
     }
     return [
         f"{field} {NOT_YET}: {fixes.get(field, 'remove it, or train a text model')}."
         for field, set_ in unbuilt.items()
         if set_
+    ]
+
+
+def _lora_problems(job: JobConfig) -> list[str]:
+    """LoRA trains the adapters on the language model alone: the vision tower stays as loaded,
+    which is what ``trainer.freeze_vision: true`` says; an explicit false contradicts it."""
+    t = job.trainer
+    if t.lora is None or t.freeze_vision or "freeze_vision" not in t.model_fields_set:
+        return []
+    return [
+        "trainer.freeze_vision=false with trainer.lora: LoRA trains adapters on the language "
+        "model alone and keeps the vision tower as loaded; remove trainer.freeze_vision (or set "
+        "it true), or remove trainer.lora to train the tower."
     ]
 
 

@@ -287,7 +287,7 @@ class RolloutConfig(InferenceRoleConfig):
         "rendering of the conversation (the context at inference), all with the "
         "conversation's reward; strict, one sample, rejected (agent/rejected) when the "
         "template rewrites earlier turns. per_turn is not taken with algorithm.max_staleness, "
-        "a teacher or advantage_estimator=gae.",
+        "a teacher, advantage_estimator=gae or a vision-language trainer.model.",
     )
     fault_tolerance: bool = Field(
         False,

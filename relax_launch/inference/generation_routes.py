@@ -22,7 +22,13 @@ from relax_launch.inference.disaggregation import (
     bootstrapped,
     with_input_logprobs,
 )
-from relax_launch.inference.images import ImagePolicy, ImageRefused, has_images, image_urls
+from relax_launch.inference.images import (
+    ImagePolicy,
+    ImageRefused,
+    has_images,
+    image_urls,
+    text_placeholders_problem,
+)
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.proxy import Upstream, forwarded_headers
 from relax_launch.inference.requests import (
@@ -236,6 +242,10 @@ class GenerationRoutes:
         body = {"text": prompt, "sampling_params": sampling}
         if image_urls(payload["messages"]):  # in the order the template shows them
             body["image_data"] = image_urls(payload["messages"])
+            try:
+                text_placeholders_problem(prompt, body["image_data"])
+            except ImageRefused as exc:
+                raise HTTPException(exc.status, str(exc)) from None
         if target.prefill is not None:
             body = bootstrapped(body, target.prefill)
         headers = forwarded_headers(request.headers.raw, target.routing_key)

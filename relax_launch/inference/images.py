@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,28 @@ def placeholders_problem(payload: dict[str, Any], image_token: int) -> None:
             f"as the chat template renders it (found {shown} for {len(images)} images"
             f"{', some adjacent' if adjacent else ''}); the engine expands each to the "
             "image's patches itself"
+        )
+
+
+# What SGLang's Qwen-VL processor reads as media in a prompt's text: an image as the template
+# shows it, its /generate form's sentinel (``qwen_vl.py``, ``image_token_regex``), and a bare
+# image, video or audio placeholder
+MEDIA_IN_TEXT = re.compile(
+    r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>"
+    r"|<\|image_pad\|>|<\|video_pad\|>|<\|audio_pad\|>"
+)
+
+
+def text_placeholders_problem(text: str, images: list[str]) -> None:
+    """Refuse a rendered prompt that does not show each of ``images`` by one media placeholder
+    (a message spelling one out): the engine would count one more image or a video, answering
+    400 or never."""
+    shown = len(MEDIA_IN_TEXT.findall(text))
+    if shown != len(images):
+        raise ImageRefused(
+            f"the rendered prompt shows {shown} media placeholders for {len(images)} images: "
+            "a message's text spells one out (<image>, <|image_pad|>, <|video_pad|>); break it "
+            "(e.g. '< image>')"
         )
 
 

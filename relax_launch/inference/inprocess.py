@@ -34,7 +34,12 @@ from relax_launch.inference.generation_routes import (
     renderer_for,
 )
 from relax_launch.inference.health import HealthProbe
-from relax_launch.inference.images import ImagePolicy, ImageRefused, image_urls
+from relax_launch.inference.images import (
+    ImagePolicy,
+    ImageRefused,
+    image_urls,
+    text_placeholders_problem,
+)
 from relax_launch.inference.manager import InferenceManager
 from relax_launch.inference.metrics import ControllerMetrics
 from relax_launch.inference.outage import EngineOutage
@@ -237,6 +242,10 @@ class EngineClient:
         judged = {**routing, "text": prompt, "sampling_params": sampling}
         if image_urls(payload["messages"]):  # checked; in the order the template shows them
             judged["image_data"] = image_urls(payload["messages"])
+            try:
+                text_placeholders_problem(prompt, judged["image_data"])
+            except ImageRefused as exc:
+                raise InferenceError(exc.status, str(exc)) from None
         routed = self._route("/generate", judged, affinity_key)  # it may sleep meanwhile
         reply = await self._post_or_reroute(routed, "/generate", judged, affinity_key)
         try:

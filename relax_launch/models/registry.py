@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relax_launch.models.published import published_config
+
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -168,9 +170,14 @@ def trainable_problem(cfg: dict) -> str | None:
 
 
 def is_vision_language(ref: str) -> bool:
-    """Whether ``ref`` names a vision-language model (by its facts; False when unknown)."""
+    """Whether ``ref`` names a vision-language model: by its facts, or where there are none
+    (a directory away from this machine) by its published config.json, as ``model_size`` sizes
+    it (``models/published.py``); False when neither says."""
     facts = model_facts(ref)
-    return facts is not None and facts.architecture in VISION_LANGUAGE_ARCHITECTURES
+    if facts is not None:
+        return facts.architecture in VISION_LANGUAGE_ARCHITECTURES
+    published = published_config(ref) if builtin_name(ref) is None else None
+    return published is not None and is_vision_language_config(published)
 
 
 def is_vision_language_config(cfg: dict) -> bool:

@@ -2,7 +2,7 @@
 
 Read from a model's config.json; for builtin models from their build settings; and, so that
 ``relax-launch plan`` can size a GPU job away from the cluster's filesystem, from the published
-config.json of a few well-known models, picked by the directory's last name (``PUBLISHED``).
+config.json of a few well-known models, picked by the directory's last name (``published.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_launch.models.published import published_config
 from relax_launch.models.registry import builtin_name, model_dir
+from relax_launch.models.vision_sizes import (
+    TINY_QWEN2_5_VL,
+    VisionSize,
+    processor_max_pixels,
+)
 
 
 @dataclass(frozen=True)
@@ -33,9 +39,18 @@ class ModelSize:
     shared_expert_size: int = 0
     moe_layers: int = 0  # how many of the layers route to experts
     qk_norm: bool = False  # Qwen3's per-head RMSNorm of queries and keys
+    qkv_bias: bool = False  # Qwen2's (and Qwen2.5-VL's language model's) q, k, v biases
+    vision: VisionSize | None = None  # a vision-language model's tower and merger
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, source: str) -> ModelSize:
+    def from_hf_config(cls, cfg: dict, source: str, max_pixels: int | None = None) -> ModelSize:
+        """``cfg`` a config.json; a vision-language one's language model is its
+        ``text_config`` (transformers 5) or its top level (the hub's layout)."""
+        vision = None
+        if "vision_config" in cfg:
+            pixels = max_pixels or cfg.get("max_pixels")
+            vision = VisionSize.from_hf_config(cfg["vision_config"], pixels)
+            cfg = {**cfg, **(cfg.get("text_config") or {})}
         heads = cfg["num_attention_heads"]
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         layers = cfg["num_hidden_layers"]
@@ -59,13 +74,16 @@ class ModelSize:
             moe_layers=moe_layers if experts else 0,
             qk_norm=cfg.get("model_type") in QK_NORM_TYPES
             or bool(set(cfg.get("architectures") or ()) & QK_NORM_ARCHITECTURES),
+            qkv_bias=cfg.get("attention_bias", str(cfg.get("model_type")).startswith("qwen2")),
+            vision=vision,
         )
 
     @property
     def attention_params(self) -> int:
         """One layer's q, k, v and output projections."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        bias = (q + 2 * kv) * self.qkv_bias
+        return self.hidden_size * (q + 2 * kv) + bias + q * self.hidden_size
 
     @property
     def dense_mlp_params(self) -> int:
@@ -87,45 +105,24 @@ class ModelSize:
         return self.vocab_size * self.hidden_size
 
     @property
+    def vision_params(self) -> int:
+        return self.vision.total_params if self.vision else 0
+
+    @property
     def total_params(self) -> int:
+        """Every parameter, a vision-language model's tower and merger included."""
         dense_layers = self.num_layers - self.moe_layers
         layers = self.num_layers * (self.attention_params + 2 * self.hidden_size)
         layers += dense_layers * self.dense_mlp_params
         layers += self.moe_layers * (self.expert_params + self.moe_shared_params)
         head = 0 if self.tied_embeddings else self.embedding_params
-        return layers + self.embedding_params + head + self.hidden_size
+        return layers + self.embedding_params + head + self.hidden_size + self.vision_params
 
 
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 QK_NORM_ARCHITECTURES = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
-def _qwen3(layers: int, hidden: int, heads: int, kv: int, ffn: int, **moe: int) -> dict:
-    return {
-        "model_type": "qwen3_moe" if moe else "qwen3",
-        "num_hidden_layers": layers,
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": 128,
-        "intermediate_size": ffn,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-        **moe,
-    }
-
-
-# config.json of published models (their Hugging Face pages), for planning without the files
-PUBLISHED = {
-    "Qwen3-8B": _qwen3(36, 4096, 32, 8, 12288),
-    "Qwen3-32B": _qwen3(64, 5120, 64, 8, 25600),
-    "Qwen3-30B-A3B": _qwen3(
-        48, 2048, 32, 4, 6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768
-    ),
-    "Qwen3-235B-A22B": _qwen3(
-        94, 4096, 64, 4, 12288, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536
-    ),
-}
 # builtin models' sizes (relax_launch/models/build.py builds them with these)
 _TINY = {
     "num_hidden_layers": 2,
@@ -153,6 +150,7 @@ BUILTIN = {
     "tiny-qwen3": {**_TINY, "head_dim": 32, "model_type": "qwen3"},
     "tiny-qwen3-moe": {**_TINY, **_TINY_MOE, "head_dim": 32, "model_type": "qwen3_moe"},
     "tiny-qwen2-moe": {**_TINY, **_TINY_MOE, "shared_expert_intermediate_size": 48},
+    "tiny-qwen2.5-vl": TINY_QWEN2_5_VL,
 }
 
 
@@ -164,8 +162,9 @@ def model_size(ref: str) -> ModelSize | None:
         return ModelSize.from_hf_config(known, f"builtin:{name}") if known else None
     path = model_dir(ref) / "config.json"
     if path.is_file():
-        return ModelSize.from_hf_config(json.loads(path.read_text()), str(path))
-    published = PUBLISHED.get(Path(ref).name)
+        pixels = processor_max_pixels(path.parent)
+        return ModelSize.from_hf_config(json.loads(path.read_text()), str(path), pixels)
+    published = published_config(ref)
     if published is None:
         return None
     return ModelSize.from_hf_config(published, f"{Path(ref).name}'s published config.json")

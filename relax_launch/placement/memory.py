@@ -63,6 +63,8 @@ def trainer_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict) ->
     tp, pp, dp, cp, ep = (ranks[k] for k in ("tp", "pp", "dp", "cp", "ep"))
     dense, experts = stage_params(size, pp_rank, pp, tp, ep)
     trainable_dense, trainable_experts = dense, experts
+    if t.freeze_vision and pp_rank == 0:  # the tower stays resident, without gradients
+        trainable_dense -= size.vision_params
     if t.lora is not None:
         trainable_dense, trainable_experts = lora_params(size, t, pp, tp), 0.0
     weight = BYTES[t.dtype]
@@ -72,7 +74,11 @@ def trainer_terms(job: JobConfig, size: ModelSize, pp_rank: int, ranks: dict) ->
     master = 4 * optimizer_elements if t.dtype == "bfloat16" else 0.0
     sharded = f" / {shard} DP ranks" if t.distributed_optimizer else ""
     terms = [
-        Term("parameters", (dense + experts) * weight, f"{t.dtype}, / TP {tp} x PP {pp}"),
+        Term(
+            "parameters",
+            (dense + experts) * weight,
+            f"{t.dtype}, / TP {tp} x PP {pp}{_tower(size)}",
+        ),
         Term("gradients", (trainable_dense + trainable_experts) * 4, "fp32 grad buffer"),
     ]
     if master:
@@ -95,8 +101,13 @@ def stage_params(size: ModelSize, pp_rank: int, pp: int, tp: int, ep: int) -> tu
     first, last = pp_rank == 0, pp_rank == pp - 1
     embedding = size.embedding_params / tp
     dense += embedding * first + (embedding * last if not size.tied_embeddings or pp > 1 else 0)
+    dense += size.vision_params * first  # a vision tower: replicated on every TP rank
     experts = moe * size.expert_params / (ep * tp)
     return dense, experts
+
+
+def _tower(size: ModelSize) -> str:
+    return f" (vision tower {size.vision_params / 1e6:.0f}M, whole)" if size.vision else ""
 
 
 def lora_params(size: ModelSize, t: object, pp: int, tp: int) -> float:

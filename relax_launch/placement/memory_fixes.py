@@ -39,6 +39,11 @@ def fixes(job: JobConfig, phase: DevicePhase) -> str:
 
 def _trainer_fixes(job: JobConfig, term: str) -> list[str]:
     t = job.trainer
+    fewer_images = "fewer image tokens a sequence (data.max_prompt_tokens)"
+    if term == "vision activations":  # of a micro-batch's image patches
+        return ["trainer.freeze_vision=true", "a smaller trainer.micro_batch_size", fewer_images]
+    if term == "pixel values":  # of the DP rank's whole step
+        return [fewer_images, "fewer sequences a DP rank (data.prompts_per_step)"]
     if term in ("activations", "logits"):
         recompute = [] if t.recompute == "full" or term == "logits" else ["trainer.recompute=full"]
         return [*recompute, "fewer tokens per micro-batch (trainer.max_tokens_per_micro_batch)"]

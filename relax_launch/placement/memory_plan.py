@@ -45,11 +45,14 @@ from relax_launch.placement.memory import (
     trainer_terms,
 )
 from relax_launch.placement.memory_fixes import consumers, fields, fixes
+from relax_launch.placement.vision_memory import vision_engine_terms, vision_trainer_terms
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
     from relax_launch.placement.plan import EnginePlan, PlacementPlan, RoleAssignment
 
+# what a trainer holds only during a step
+STEP_TERMS = ("activations", "logits", "vision activations", "pixel values")
 ROUNDING = 1.001  # SGLang rounds its default mem_fraction_static to 3 decimals
 COLOCATED_MARGIN = 0.03  # of capacity, kept free by a planned mem_fraction_static
 
@@ -228,7 +231,7 @@ class _Builder:
         holders = []
         if trainer is not None:
             built = self._trainer(trainer.pp_rank, "train")
-            state = [t for t in built.terms if t.name not in ("activations", "logits")]
+            state = [t for t in built.terms if t.name not in STEP_TERMS]
             holders.append(Holder("trainer", "built", tuple(state)))
             if self.critic is not None:
                 holders.append(self._critic(trainer, "start-up"))
@@ -250,9 +253,12 @@ class _Builder:
 
     def _trainer(self, pp_rank: int, phase: str) -> Holder:
         if pp_rank not in self._trainer_cache:
-            self._trainer_cache[pp_rank] = trainer_terms(
-                self.job, self.sizes["trainer"], pp_rank, self._ranks()
-            )
+            size, t = self.sizes["trainer"], self.job.trainer
+            terms = trainer_terms(self.job, size, pp_rank, self._ranks())
+            if size.vision is not None and pp_rank == 0:
+                trained = not t.freeze_vision and t.lora is None
+                terms += vision_trainer_terms(self.job, size, trained, self._ranks()["dp"])
+            self._trainer_cache[pp_rank] = terms
         terms = [self._runtime("trainer"), *self._trainer_cache[pp_rank]]
         beside_critic = trainer_state(self.critic, phase)  # the critic's own phases
         if beside_critic == "state":
@@ -302,11 +308,14 @@ class _Builder:
             tokens = int(settings.get("max_total_tokens", 0))
             self._record(engine, None, "cpu: max_total_tokens", tokens)
             terms.append(Term("KV cache", tokens * per_token, f"{tokens} tokens"))
+            terms += vision_engine_terms(size.vision, None, "cpu", self.capacity)[1]
             return Holder(engine.label, "active", tuple(terms))
         reserve = sglang_reserve_bytes(self.capacity, engine, settings)
         resident = sum(h.device_bytes for h in others) + terms[0].bytes
         fraction, source = self._fraction(engine, settings, reserve)
-        pool = fraction * self.capacity - weights - resident
+        fraction, vision = vision_engine_terms(size.vision, fraction, source, self.capacity)
+        cache = sum(t.bytes for t in vision if t.name == "multimodal cache")  # from KV's budget
+        pool = fraction * self.capacity - weights - resident - cache
         tokens = max(int(pool // per_token), 0)
         if "max_total_tokens" in settings:
             tokens = min(tokens, int(settings["max_total_tokens"]))
@@ -314,6 +323,7 @@ class _Builder:
         terms += [
             Term("KV cache", tokens * per_token, f"{tokens} tokens, f={fraction:.3f} ({source})"),
             Term("workspace", reserve, "SGLang's reserve: a prefill chunk, CUDA graphs"),
+            *vision,
         ]
         return Holder(engine.label, "active", tuple(terms))
 

@@ -32,10 +32,12 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from relax_launch.rl.agent_images import as_the_engine_saw, image_request
+from relax_launch.rl.agent_vision import AgentVision, attach_images
 from relax_launch.rl.calculator import calculator
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.rollout import all_or_none, weight_version_of
 from relax_launch.rl.samples import Sample, TurnTokens
+from relax_launch.rl.vision_prompts import shows_media, text_of
 
 if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
     from relax_launch.inference.inprocess import EngineClients
@@ -53,7 +55,8 @@ class RolloutBudgetExceeded(RuntimeError):
 
 
 class RejectedTrajectory(RuntimeError):
-    """The conversation no longer extends the recorded tokens (see the module docstring)."""
+    """The conversation cannot go on as recorded: a turn with images after a reply that
+    shows a media placeholder (``rl/agent_images.py``); the sample is rejected."""
 
 
 @dataclass
@@ -146,6 +149,9 @@ class AgentClient:
         sampling |= {k: options[k] for k in ("top_p", "stop") if options.get(k) is not None}
         body = {"input_ids": context, "return_logprob": True}
         body |= image_request(context, conversation, self.tokenizer)  # rl/agent_images.py
+        if "image_data" in body and self._sampled_media():
+            self.trajectory.rejected = "a reply the policy sampled shows a media placeholder"
+            raise RejectedTrajectory(self.trajectory.rejected)  # the engine would refuse it
         try:
             reply = await self.engine(body | {"sampling_params": sampling})
         except Exception as exc:  # the engines' failure, not the rollout function's
@@ -158,6 +164,12 @@ class AgentClient:
         text = self._record(reply)
         self.history = conversation
         return self._completion(text, reply)
+
+    def _sampled_media(self) -> bool:
+        """Whether the tokens the engine sampled so far show a media placeholder: sent with
+        images, the engine would count it as one more (``vision_prompts.shows_media``)."""
+        t = self.trajectory
+        return shows_media([i for i, m in zip(t.ids, t.mask, strict=True) if m], self.tokenizer)
 
     def _context(self, conversation: list[dict[str, Any]], tools: Any) -> tuple[list[int], int]:
         """(the ids this turn is generated from, the tokens the budget has left for it)."""
@@ -294,6 +306,8 @@ async def converse(
         conversation = await function(prompt, client)
     except RolloutBudgetExceeded:
         return None, "out_of_budget"
+    except RejectedTrajectory:  # a turn that could not be sent as recorded: agent/rejected
+        return None, "rejected"
     except Exception:  # noqa: BLE001 - the user's function failed this sample: counted
         if client.engine_error is not None:
             raise client.engine_error from None
@@ -313,10 +327,12 @@ def generate(
     function: RolloutFunction,
     tokenizer: Any,
     client: ClientFactory = AgentClient,
+    vision: AgentVision | None = None,
 ) -> list[Sample]:
     """``n`` conversations per prompt, all concurrent on the job's event loop, as samples in
     prompt order; ``max_tokens`` bounds each conversation's tokens after its prompt; ``client``
-    records each (``rollout.multi_turn``)."""
+    records each (``rollout.multi_turn``); ``vision`` gives a vision-language policy's samples
+    their images (``rl/agent_vision.py``)."""
     rollout = engines.client("rollout")
     clients = []
     for group in range(len(prompts)):
@@ -327,10 +343,12 @@ def generate(
 
     conversations = [converse(function, prompts[i // n][0], c) for i, c in enumerate(clients)]
     outcomes = engines.run(all_or_none(conversations), what=f"{len(clients)} agentic rollouts")
-    return [
+    samples = [
         to_sample(i // n, prompts[i // n], client, conversation, outcome)
         for i, (client, (conversation, outcome)) in enumerate(zip(clients, outcomes, strict=True))
     ]
+    attach_images(vision, samples, clients, prompts, n)
+    return samples
 
 
 def to_sample(
@@ -351,7 +369,7 @@ def to_sample(
     text = (replies[-1] if replies else client.reply).get("content") or ""
     sample = Sample(
         group=group,
-        question=source.messages[-1]["content"],
+        question=text_of(source.messages[-1]["content"]),  # a prompt with images: its text
         label=source.label,
         prompt_ids=t.prompt_ids or list(ids),
         response_ids=t.ids,
@@ -367,6 +385,7 @@ def to_sample(
         turns=sum(row.turns for row in rows),
         outcome=outcome or ("rejected" if t.rejected else ""),
         earlier_turns=[TurnTokens(r.prompt_ids, r.ids, r.logprobs) for r in rows[:-1]] or None,
+        prompt_images=source.images,  # a judge is shown them (rl/vision_scoring.py)
     )
     sample.valid = sample.outcome in ("", "out_of_budget") and sample.turns > 0
     return sample

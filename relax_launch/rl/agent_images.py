@@ -1,16 +1,20 @@
 """Images in agentic conversations (a user turn or a tool result with an ``image_url`` part), token
 in and token out as for text.
 
-SGLang takes a prompt's images beside its token ids (``image_data``), but its multimodal
-processor does not use the ids as given: it decodes them to text, finds each image's
-placeholder run and tokenises the text again, expanding each image to its patch count
-(``BaseMultimodalProcessor.load_mm_data``). So a turn with images is sent with one placeholder
-per image (what the chat template renders; earlier turns' runs collapsed again) and asks for the
-prompt's ids as the engine saw them (``return_prompt_token_ids``). Those replace the recorded
-context, each placeholder run stretched to the engine's length, provided they are the ids sent
-in every other place; if the engine's re-tokenisation changed any other token (an earlier reply
-it would split otherwise) the conversation cannot be trained exactly and is rejected, as a
-conversation that does not extend its last turn is.
+SGLang takes a prompt's images beside its token ids (``image_data``); its multimodal processor
+decodes the ids to text to find each image's placeholder run, then keeps the ids sent, each
+image's placeholder expanded to its patch count (``SGLANG_MM_AVOID_RETOKENIZE``, on by default
+in SGLang 0.5.23, ``BaseMultimodalProcessor.process_and_combine_mm_data``); only where that
+fails does it fall back, with a warning, to the decoded text tokenised again. So a turn with
+images is sent with one placeholder per image (what the chat template renders; earlier turns'
+runs collapsed again) and asks for the prompt's ids as the engine saw them
+(``return_prompt_token_ids``). Those replace the recorded context, each placeholder run
+stretched to the engine's length, provided they are the ids sent in every other place; if the
+fallback's re-tokenisation changed any other token (an earlier reply it would split otherwise)
+the conversation cannot be trained exactly and is rejected, as a conversation that does not
+extend its last turn is. Because the processor reads the decoded text, a media placeholder the
+policy sampled in an earlier reply would count as one more image or a video (refused, 400): the
+client rejects such a conversation before sending the turn (``AgentClient._sampled_media``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,23 @@ interrupted generation continue from its own tokens with the new weights (a part
 Each token carries the weight version that produced it; a sample whose oldest token is more
 than ``k`` versions old when trained is dropped and counted (``rl.phases.drop_stale``).
 
+A prompt with images (a vision-language policy, ``rl/vision_prompts.py``) is sent as the one-turn
+rollout sends it: the template's ids with one placeholder per image, and the images. SGLang's
+processor decodes those ids (with the tokens so far of an interrupted generation) to find the
+images' placeholders; it keeps the ids sent, each image's placeholder expanded, and re-tokenises
+the decoded text only as a fallback, with a warning, where that expansion fails (docs/vlm.md
+"Gateway and agentic turns"). A continuation whose ids the engine read otherwise than the first
+segment's prompt ids and the tokens so far (the fallback split a sampled reply otherwise) was
+generated from other tokens than the trained ones: its tokens are dropped and the sample starts
+again from the prompt, as it does when the tokens so far show a media placeholder
+(``shows_media``: the random policy samples one; sent back, the engine would read one image
+more, or a video, than it gets, and refuse it). Both are counted in ``async/image_restarts``; a
+sample started again ``MAX_RESTARTS`` times is given up (invalid, counted in
+``async/image_samples_given_up``) rather than failing the job.
+
 With ``rollout.function``, each sample is a conversation (``rl/agent.py``) and each of its turns
-is interrupted and continued the same way.
+is interrupted and continued the same way; a vision-language policy's conversations get their
+images (``rl/agent_vision.py``) off the event loop.
 
 Under ``rollout.fault_tolerance`` an engine may die mid-generation. The segment it was
 generating (the tokens since the last interruption, which SGLang had not returned) dies with it,
@@ -29,10 +44,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from relax_launch.console import operator_log
 from relax_launch.deadline import Deadline
 from relax_launch.inference.client import InferenceError
 from relax_launch.inference.inprocess import EngineClients
@@ -43,13 +60,20 @@ from relax_launch.rl.agent import (
     converse,
     to_sample,
 )
+from relax_launch.rl.agent_vision import AgentVision
 from relax_launch.rl.data import Prompt
-from relax_launch.rl.rollout import reply_sample, weight_version_of
+from relax_launch.rl.rollout import prompt_inputs, reply_sample, weight_version_of
 from relax_launch.rl.samples import Sample
+from relax_launch.rl.vision_prompts import shows_media
 
 MAX_SEGMENTS = 64  # continuations of one sample: more means the engines abort on their own
+MAX_RESTARTS = 3  # of a sample with images: one started again more often is given up
 PAUSE_S = 60.0  # bound on the wait for the aborted generations to come back
 POLL_S = 0.05
+
+
+class ImageRestartsExceeded(RuntimeError):
+    """A sample with images was started again ``MAX_RESTARTS`` times: it is given up."""
 
 
 class ContinuousRollout:
@@ -70,9 +94,11 @@ class ContinuousRollout:
         max_tokens: int,
         version: int,
         client: ClientFactory = AgentClient,
+        vision: AgentVision | None = None,
     ) -> None:
         self.engines, self.draw, self.abort, self.tokenizer = engines, draw, abort, tokenizer
         self.agent = agent  # rollout.function: conversations instead of single responses
+        self.vision = vision  # gives a vision-language policy's conversations their images
         self.client = client  # records each conversation (rollout.multi_turn)
         self.n, self.k, self.sampling, self.max_tokens = n, max_staleness, sampling, max_tokens
         self.version = version  # the weights the engines serve
@@ -87,6 +113,9 @@ class ContinuousRollout:
         # seconds with a request in flight: closed spans, the open one's start (the loop's),
         # and the total ``busy_seconds`` last read (the RL loop's)
         self.busy, self.busy_since, self.busy_read = 0.0, None, 0.0
+        # image samples started again, and given up, since the RL loop's thread last read them
+        self.counts = threading.Lock()  # incremented on the loop, read and reset on the RL loop's
+        self.restarts = self.given_up = 0
 
     def start(self) -> None:
         self.producer = self.engines.start_soon(self._produce())
@@ -123,6 +152,20 @@ class ContinuousRollout:
         rate = self.tokens / max(now - self.since, 1e-9)
         self.tokens, self.since = 0, now
         return rate
+
+    def image_restarts(self) -> int:
+        """Samples with images started again from their prompt since the last call (the module
+        docstring)."""
+        with self.counts:
+            restarts, self.restarts = self.restarts, 0
+        return restarts
+
+    def image_samples_given_up(self) -> int:
+        """Samples with images given up after ``MAX_RESTARTS`` restarts since the last call
+        (invalid, not trained)."""
+        with self.counts:
+            given_up, self.given_up = self.given_up, 0
+        return given_up
 
     def busy_seconds(self) -> float:
         """Seconds the engines had a request of this rollout in flight since the last call: the
@@ -205,8 +248,16 @@ class ContinuousRollout:
     async def _sample(self, prompt: Prompt, ids: list[int], key: str) -> Sample:
         """One response to the prompt."""
         sampling = self.sampling | {"max_new_tokens": self.max_tokens}
-        body = {"input_ids": ids, "return_logprob": True, "sampling_params": sampling}
-        reply = await self._generate(body, key)
+        body = {**prompt_inputs(prompt, ids), "return_logprob": True, "sampling_params": sampling}
+        try:
+            reply = await self._generate(body, key)
+        except ImageRestartsExceeded as error:
+            self._give_up(prompt, error)
+            meta = {"output_token_logprobs": [], "weight_version": str(self.version)}
+            empty = {"text": "", "output_ids": [], "prompt_token_ids": ids, "meta_info": meta}
+            sample = reply_sample(0, prompt, ids, empty)
+            sample.valid, sample.token_versions = False, []
+            return sample
         sample = reply_sample(0, prompt, ids, reply)
         sample.token_versions = reply["meta_info"]["token_versions"]
         return sample
@@ -220,9 +271,17 @@ class ContinuousRollout:
             self.sampling["temperature"],
             self.max_tokens,
         )
-        conversation, outcome = await converse(self.agent, prompt, client)
+        try:
+            conversation, outcome = await converse(self.agent, prompt, client)
+        except ImageRestartsExceeded as error:
+            self._give_up(prompt, error)
+            conversation, outcome = None, "failed"
         sample = to_sample(0, (prompt, ids), client, conversation, outcome)
         sample.token_versions = client.trajectory.token_versions
+        if self.vision is not None:  # the processor's work, off the loop
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.vision.attach, sample, client.trajectory, prompt.index
+            )
         return sample
 
     async def _generate(self, body: dict[str, Any], key: str) -> dict[str, Any]:
@@ -231,13 +290,18 @@ class ContinuousRollout:
         ``meta_info["token_versions"]``."""
         client = self.engines.client("rollout")
         ids, wanted = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        prompt: list[int] | None = None  # with images: the prompt's ids as the engine read them
         out: list[int] = []
         logprobs: list[list[Any]] = []
         versions: list[int] = []
         meta: dict[str, Any] = {}
         finish: dict[str, Any] = {}
+        restarts = 0
         for _ in range(MAX_SEGMENTS):
             await self.running.wait()
+            if "image_data" in body and shows_media(out, self.tokenizer):  # not a continuation
+                out, logprobs, versions = [], [], []
+                restarts = self._restarted(restarts)
             sampling = body["sampling_params"] | {"max_new_tokens": wanted - len(out)}
             segment = body | {"input_ids": ids + out, "sampling_params": sampling}
             self._count_in_flight(+1)
@@ -250,6 +314,12 @@ class ContinuousRollout:
             finally:
                 self._count_in_flight(-1)
             meta, got = reply["meta_info"], list(reply["output_ids"])
+            if "image_data" in body:
+                prompt = prompt or reply.get("prompt_token_ids")
+                if prompt is not None and reply.get("prompt_token_ids") != prompt + out:
+                    out, logprobs, versions, meta = [], [], [], {}  # read otherwise: start again
+                    restarts = self._restarted(restarts)
+                    continue
             out += got
             self.tokens += len(got)
             logprobs += meta["output_token_logprobs"]
@@ -266,7 +336,30 @@ class ContinuousRollout:
         oldest = min(versions, default=self.version)
         meta |= {"token_versions": versions, "weight_version": str(oldest)}
         text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return {"text": text, "output_ids": out, "meta_info": meta}
+        reply = {"text": text, "output_ids": out, "meta_info": meta}
+        return reply | ({"prompt_token_ids": prompt} if prompt is not None else {})
+
+    def _restarted(self, restarts: int) -> int:
+        """Count one more restart of a sample with images (it had ``restarts``); past
+        ``MAX_RESTARTS`` the sample is given up instead."""
+        if restarts >= MAX_RESTARTS:
+            raise ImageRestartsExceeded(
+                f"its generation was started again from the prompt {MAX_RESTARTS} times (the "
+                "policy kept sampling a media placeholder, or the engine kept reading the "
+                "continuation otherwise)"
+            )
+        with self.counts:
+            self.restarts += 1
+        return restarts + 1
+
+    def _give_up(self, prompt: Prompt, error: ImageRestartsExceeded) -> None:
+        """Count a sample with images given up (``async/image_samples_given_up``)."""
+        with self.counts:
+            self.given_up += 1
+        operator_log().warning(
+            f"relax-launch: a sample of prompt {prompt.index} is given up, not trained "
+            f"(async/image_samples_given_up): {error}"
+        )
 
     def _count_in_flight(self, change: int) -> None:
         """One request more or fewer in flight, and the busy time that opens or closes."""

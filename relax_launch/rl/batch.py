@@ -103,7 +103,7 @@ def sample_metrics(
 ) -> dict[str, float]:
     """The batch's mean reward, response length and invalid samples; the rollout's tokens per
     second (over every response drawn, ``drawn_tokens``, when dynamic sampling drew more); the
-    reverse KL to the teacher where it scored."""
+    reverse KL to the teacher where it scored, and the samples it did not score."""
     valid = [s for s in samples if s.valid]
     generated = sum(
         len(s.response_ids) + sum(len(t.response_ids) for t in s.earlier_turns or ())
@@ -121,6 +121,9 @@ def sample_metrics(
         out["agent/turns"] = sum(s.turns for s in agentic) / len(agentic)
         out |= {f"agent/{o}": sum(s.outcome == o for s in agentic) for o in OUTCOMES}
     scored = [s for s in samples if s.teacher_logprobs]
+    if any(s.teacher_logprobs is not None for s in samples):  # a teacher scored this batch
+        # an empty response, or one showing a media placeholder (``vision_scoring.teachable``)
+        out["teacher/unscored"] = sum(s.teacher_logprobs == [] for s in samples)
     if scored:
         diffs = [
             lp - t for s in scored for lp, t in zip(s.logprobs, s.teacher_logprobs, strict=True)

@@ -15,6 +15,7 @@ from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.rl.reasoning_gym_config import PREFIX
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
+from relax_launch.rl.vision_prompts import VisionEncoder
 
 
 def pass_at_k(n: int, passed: int, k: int) -> float:
@@ -33,7 +34,10 @@ class Evaluation:
     """The eval prompts, tokenized once (those over the prompt limit left out and counted, and
     those the training asks too, ``data.held_out``), and the response limit
     (``eval.sampling``'s, else ``data.max_response_tokens``). ``training``: the training
-    prompts already read (read again from ``data`` when not given)."""
+    prompts already read (read again from ``data`` when not given); ``rows``: the eval prompts
+    already read (``rl/inputs.py``: read from ``config.data`` when not given). ``vision``: a
+    vision-language policy's encoder, so prompts with images are sampled with them
+    (``rl/vision_prompts.py``), as the training's are."""
 
     def __init__(
         self,
@@ -41,11 +45,13 @@ class Evaluation:
         tokenizer: Any,
         data: DataConfig,
         training: list[Prompt] | None = None,
+        vision: VisionEncoder | None = None,
+        rows: list[Prompt] | None = None,
     ) -> None:
         self.config = config
         max_prompt_tokens = data.max_prompt_tokens
         self.max_tokens = config.sampling.max_response_tokens or data.max_response_tokens
-        prompts = load_prompts(config.data)
+        prompts = load_prompts(config.data) if rows is None else rows
         if training is None and all(d.dataset.startswith(PREFIX) for d in (config.data, data)):
             training = load_prompts(data)
         kept = held_out(prompts, config.data, training or [], data)
@@ -53,7 +59,10 @@ class Evaluation:
         prompts = kept[: config.max_prompts]  # the held-out rows up to the limit
         self.prompts: list[tuple[Prompt, list[int]]] = []
         for prompt in prompts:
-            ids = prompt_ids(tokenizer, prompt)
+            if vision is not None:
+                prompt, ids = vision.encode(prompt)
+            else:
+                ids = prompt_ids(tokenizer, prompt)
             if len(ids) <= max_prompt_tokens:
                 self.prompts.append((prompt, ids))
         self.skipped = len(prompts) - len(self.prompts)

@@ -4,6 +4,8 @@ the data's key mapping, and every reward function is imported and must be callab
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from relax_launch.config import ConfigError
 from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.code_config import CodeTestsConfig
@@ -18,6 +20,15 @@ from relax_launch.rl.rewards import load_function
 from relax_launch.rl.vision_prompts import image_parts, prompt_images
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """The rows ``read_inputs`` read and checked, each file once: the training prompts and the
+    eval prompts (none without an ``eval`` section), which rank 0's program takes as read."""
+
+    prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+
+
 def check_inputs(
     data: DataConfig,
     reward: RewardConfig,
@@ -27,10 +38,26 @@ def check_inputs(
     *,
     vision: bool = False,
 ) -> list[Prompt]:
+    """``read_inputs``' training prompts."""
+    return read_inputs(
+        data, reward, evaluation, rollout_function, environment, vision=vision
+    ).prompts
+
+
+def read_inputs(
+    data: DataConfig,
+    reward: RewardConfig,
+    evaluation: EvalConfig | None = None,
+    rollout_function: str | None = None,
+    environment: EnvironmentConfig | None = None,
+    *,
+    vision: bool = False,
+) -> Inputs:
     """Raise ConfigError naming the field when the data, the eval data, a reward function or
-    the rollout function is unusable; returns the training prompts (rank 0 trains on them).
-    ``vision``: the policy is a vision-language model, the only one that takes rows with
-    images (each of which must be readable)."""
+    the rollout function is unusable; returns the prompts it read (rank 0 trains on the
+    training ones and evaluates on the eval ones). ``vision``: the policy is a
+    vision-language model, the only one that takes rows with images (each of which must be
+    readable)."""
     _reasoning_gym_tasks(data, evaluation)
     try:
         prompts = load_prompts(data) if environment is None else environment_prompts(environment)
@@ -71,7 +98,7 @@ def check_inputs(
                 f"rollout.function: {exc} ({type(exc).__name__}); is its module on PYTHONPATH?",
                 ("rollout.function",),
             ) from None
-    return prompts
+    return Inputs(prompts, eval_prompts)
 
 
 def _image_rows(field: str, prompts: list[Prompt], vision: bool) -> None:

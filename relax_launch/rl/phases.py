@@ -71,7 +71,7 @@ def generate(ctx: RLContext, seconds: dict[str, float]) -> tuple[list[Sample], P
 def score_teacher(ctx: RLContext, samples: list[Sample], seconds: dict[str, float]) -> None:
     """The teacher's logprobs of each response, written back onto its sample."""
     with timed(seconds, "teacher"):
-        score_with_teacher(ctx.job.engines, samples)
+        score_with_teacher(ctx.job.engines, samples, ctx.tokenizer)
 
 
 def score_rewards(

@@ -16,6 +16,7 @@ from relax_launch.notify import Notifier
 from relax_launch.rl import agent, rollout
 from relax_launch.rl.agent import load_rollout_function
 from relax_launch.rl.agent_turns import client_factory
+from relax_launch.rl.agent_vision import AgentVision
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.colocated import Colocated
@@ -38,16 +39,18 @@ from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.runner import run
 from relax_launch.rl.schedules import FullyAsync, OffPolicy, Schedule, Synchronous
 from relax_launch.rl.vision_prompts import VisionEncoder
+from relax_launch.rl.vision_scoring import vision_judges
 from relax_launch.run_dir import JOB_RECORD
 from relax_launch.trainer.model import read_shape
 
 JUDGE_MAX_TOKENS = 16  # "Score: N" needs a few tokens
 
 
-def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
+def rl_program(job: JobConfig, data: list[Prompt], eval_data: list[Prompt] | None = None) -> Any:
     """Bring the job up (engines, first weight sync; the newest checkpoint first when resuming),
-    then run the RL steps up to ``algorithm.num_steps`` on the prompts ``data`` (read and
-    checked by ``rl.inputs.check_inputs``)."""
+    then run the RL steps up to ``algorithm.num_steps`` on the prompts ``data``, evaluating on
+    ``eval_data`` (both read and checked by ``rl.inputs.read_inputs``; ``eval_data`` None: read
+    from ``eval.data``)."""
 
     def program(session: Job) -> list[dict[str, float]]:
         log_dir = job.log_dir
@@ -61,7 +64,7 @@ def rl_program(job: JobConfig, data: list[Prompt]) -> Any:
         log = MetricsLog(log_dir, resume_step=start, sinks=sinks)
         with contextlib.closing(log):  # on success run() has closed it already
             session.bring_up(start, log_dir)
-            ctx = rl_context(job, session, stream, log, checkpoints, skipped)
+            ctx = rl_context(job, session, stream, log, checkpoints, skipped, eval_data)
             for part in (ctx.control, ctx.guard):  # where the resumed run's steps left them
                 if part is not None:
                     part.resume(log.history)
@@ -83,38 +86,42 @@ def rl_context(
     log: MetricsLog,
     checkpoints: Checkpoints,
     skipped: int,
+    eval_data: list[Prompt] | None = None,
 ) -> RLContext:
     """What every RL step needs, from the job's sections and the live job; which variant of
     each phase runs is chosen here."""
     from transformers import AutoTokenizer  # rank 0 only: prompts get the chat template
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(job.rollout_model())))
-    judge = None
+    judge, genrm = None, None
     if job.genrm is not None:
         judge = functools.partial(rollout.judge, session.engines, max_tokens=JUDGE_MAX_TOKENS)
+        genrm = session.engines.client("genrm").manager  # which judges take images
     generator = rollout.generate
     if job.algorithm.records_routing:  # the engine's routing of every sample, for the trainer
         routing = read_shape(ensure_model(job.trainer.model))
         generator = functools.partial(rollout.generate, routing=routing)
+    vision = vision_encoder(job)
     if job.rollout.function:  # conversations of several turns (rl/agent.py)
         function = load_rollout_function(job.rollout.function)
         client = client_factory(job.rollout.multi_turn)  # how it is trained: rl/agent_turns.py
+        images = AgentVision(vision.processor) if vision is not None else None
         generator = functools.partial(
-            agent.generate, function=function, tokenizer=tokenizer, client=client
+            agent.generate, function=function, tokenizer=tokenizer, client=client, vision=images
         )
     if job.rollout.environment:  # an environment holds the conversations (rl/environments.py)
         function = EnvironmentRollout(job.rollout.environment, job.log_dir / "environment.log")
         generator = functools.partial(agent.generate, function=function, tokenizer=tokenizer)
     evaluation = None
     if job.eval is not None:
-        evaluation = Evaluation(job.eval, tokenizer, job.data, stream.prompts)
+        evaluation = Evaluation(job.eval, tokenizer, job.data, stream.prompts, vision, eval_data)
     return RLContext(
         job=session,
         algorithm=job.algorithm,
         data=job.data,
-        feed=PromptFeed(stream, tokenizer, job.data, skipped, vision_encoder(job)),
+        feed=PromptFeed(stream, tokenizer, job.data, skipped, vision),
         tokenizer=tokenizer,
-        rewards=Rewards(job.reward, judge=judge),
+        rewards=Rewards(job.reward, judge, vision_judges(genrm, job.reward)),
         log=log,
         checkpoints=checkpoints,
         checkpoint_every=job.checkpoint.every_steps if job.checkpoint.dir is not None else None,
@@ -183,6 +190,8 @@ def continuous_rollout(job: JobConfig, ctx: RLContext, version: int) -> Continuo
     engines what is in flight when weights are to be synced."""
     a = job.algorithm
     function = load_rollout_function(job.rollout.function) if job.rollout.function else None
+    vision = ctx.feed.vision  # a vision-language policy's conversations get their images
+    images = AgentVision(vision.processor) if function and vision is not None else None
     return ContinuousRollout(
         ctx.job.engines,
         ctx.feed.draw,
@@ -195,6 +204,7 @@ def continuous_rollout(job: JobConfig, ctx: RLContext, version: int) -> Continuo
         max_tokens=job.data.max_response_tokens,
         version=version,
         client=client_factory(job.rollout.multi_turn),
+        vision=images,
     )
 
 

@@ -32,6 +32,7 @@ from relax_launch.rl.code_pool import CodeSandboxPool
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.reward_pool import ScoringPool
 from relax_launch.rl.samples import Sample
+from relax_launch.rl.vision_scoring import image_parts_sent, judge_message
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_LINE = re.compile(r"^Answer:\s*\S.*$")
@@ -130,16 +131,19 @@ def load_function(spec: str) -> Callable[..., Any]:
 class Rewards:
     """Scores samples with every configured source; for GenRM, ``judge(conversations, regex,
     source)`` returns the judge's reply to each conversation, decoded under ``regex``, from the
-    genrm model whose route_keys name the reward source ``source`` (else the default one)."""
+    genrm model whose route_keys name the reward source ``source`` (else the default one).
+    The judges of ``vision_judges`` (reward source names) are shown the prompts' images."""
 
     def __init__(
         self,
         config: RewardConfig,
         judge: Callable[[list[list[dict]], str, str], list[str]] | None = None,
+        vision_judges: frozenset[str] = frozenset(),
     ) -> None:
         self.sources = config.sources
         self.functions = {s.name: load_function(s.function) for s in self.sources if s.function}
         self.judge = judge
+        self.vision_judges = vision_judges
         sandboxed = {s.name for s in self.sources if s.function == "builtin:code_tests"}
         # started now, so the workers' imports overlap the engines' first generation
         workers = any(s.pooled and s.name not in sandboxed for s in self.sources)
@@ -162,8 +166,9 @@ class Rewards:
         metrics: dict[str, float] = {}
         first_error = None
         timeouts: dict[str, int] = {}  # this call's (an off-policy step scores on a thread)
+        images: dict[str, int] = {}  # the image parts each judge was sent (none: it failed)
         for source in self.sources:
-            values, error = self._run(source, samples, timeouts)
+            values, error = self._run(source, samples, timeouts, images)
             first_error = first_error or error
             failed = 0
             for sample, value in zip(samples, values, strict=True):
@@ -179,6 +184,8 @@ class Rewards:
             metrics[f"reward/{source.name}/failed"] = failed
             if source.pooled:
                 metrics[f"reward/{source.name}/timeouts"] = timeouts.get(source.name, 0)
+            if source.name in self.vision_judges:
+                metrics[f"reward/{source.name}/images"] = images.get(source.name, 0)
         for sample in samples:
             if sample.valid:
                 sample.reward = sum(s.weight * sample.rewards[s.name] for s in self.sources)
@@ -187,11 +194,15 @@ class Rewards:
         return metrics
 
     def _run(
-        self, source: RewardSource, samples: list[Sample], timeouts: dict[str, int]
+        self,
+        source: RewardSource,
+        samples: list[Sample],
+        timeouts: dict[str, int],
+        images: dict[str, int],
     ) -> tuple[list[float | None], str | None]:
         try:
             if source.genrm:
-                return self._judge(samples, source.name)
+                return self._judge(samples, source.name, images)
             if source.pooled:
                 return self._pooled(source, samples, timeouts)
             values = self.functions[source.name](samples)
@@ -216,19 +227,24 @@ class Rewards:
         errors = [o.error for o in outcomes if o.error]
         return values, f"reward source {source.name!r}: {errors[0]}" if errors else None
 
-    def _judge(self, samples: list[Sample], source: str) -> tuple[list[float | None], str | None]:
+    def _judge(
+        self, samples: list[Sample], source: str, images: dict[str, int]
+    ) -> tuple[list[float | None], str | None]:
         if self.judge is None:
             raise RewardError("a genrm reward source needs the genrm role")
+        seen = source in self.vision_judges  # else a text judge: told of the images
         prompts = [
             [
-                {"role": "user", "content": judge_prompt(s)},
+                judge_message(s, judge_prompt(s), seen),
                 {"role": "assistant", "content": JUDGE_PREFILL},
             ]
             for s in samples
         ]
         values: list[float | None] = []
         error = None
-        for reply in self.judge(prompts, JUDGE_SCORE_REGEX, source):
+        replies = self.judge(prompts, JUDGE_SCORE_REGEX, source)
+        images[source] = image_parts_sent(prompts)  # answered: every request was sent
+        for reply in replies:
             try:
                 values.append(parse_score(f"{JUDGE_PREFILL} {reply}"))
             except ValueError as exc:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from relax_launch.rl.data import Prompt
 from relax_launch.rl.samples import Sample
 from relax_launch.rl.vision_prompts import text_of
+from relax_launch.rl.vision_scoring import check_teacher_ids, teachable, teacher_inputs
 
 if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
     import torch
@@ -132,6 +133,7 @@ def reply_sample(group: int, prompt: Prompt, ids: list[int], reply: dict[str, An
         data_source=prompt.data_source,
         meta=prompt.meta,
         images=None if prompt.images is None else prompt.images.rows,
+        prompt_images=prompt.images,
     )
 
 
@@ -142,15 +144,16 @@ def weight_version_of(meta: dict[str, Any]) -> int | None:
     return int(version) if version.lstrip("-").isdigit() else None
 
 
-def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:
+def score_with_teacher(engines: EngineClients, samples: list[Sample], tokenizer: Any) -> None:
     """Write the teacher's logprob of every sampled response token onto each sample, each
-    scored by the teacher model whose route_keys name its data source (else the default)."""
+    scored by the teacher model whose route_keys name its data source (else the default); a
+    prompt's images go with it (``rl/vision_scoring.py``, ``tokenizer`` the policy's)."""
     route_keys = engines.client("teacher").manager.routing.route_key_map
     calls = []
-    scored_samples = [s for s in samples if s.response_ids]
+    scored_samples = [s for s in samples if teachable(s, tokenizer)]
     for s in scored_samples:
         body = {
-            "input_ids": s.prompt_ids + s.response_ids,
+            **teacher_inputs(s),
             "return_logprob": True,
             # SGLang leaves the first returned position without a logprob: start one early
             "logprob_start_len": len(s.prompt_ids) - 1,
@@ -163,6 +166,7 @@ def score_with_teacher(engines: EngineClients, samples: list[Sample]) -> None:
     for s in samples:
         s.teacher_logprobs = []
     for s, reply in zip(scored_samples, replies, strict=True):
+        check_teacher_ids(s, reply)
         scored = [float(lp) for lp, *_ in reply["meta_info"]["input_token_logprobs"][1:]]
         if len(scored) != len(s.response_ids):
             raise RuntimeError(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from relax_launch.rl.vision_prompts import PromptImages
     from relax_launch.trainer.batch import RowImages
 
 
@@ -62,3 +63,6 @@ class Sample:
     routed_experts: torch.Tensor | None = None
     # a vision-language policy's prompt images (patches, grids), for the trainer
     images: RowImages | None = None
+    # the same images as the engines take them (data: URLs beside the template's ids), for
+    # the teacher's and the judge's requests (rl/vision_scoring.py)
+    prompt_images: PromptImages | None = None

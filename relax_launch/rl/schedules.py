@@ -147,6 +147,8 @@ class FullyAsync:
         }
         resumed = [s for s in samples if len(set(s.token_versions or ())) > 1]
         metrics["async/resumed_samples"] = len(resumed)
+        metrics["async/image_restarts"] = self.rollout.image_restarts()
+        metrics["async/image_samples_given_up"] = self.rollout.image_samples_given_up()
         metrics["tokens_per_s"] = self.rollout.throughput()
         return metrics
 

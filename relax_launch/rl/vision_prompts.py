@@ -32,6 +32,10 @@ if TYPE_CHECKING:  # torch: only on rank 0's encoder (the CLI's input check read
     from relax_launch.trainer.batch import RowImages
 
 IMAGE_TYPES = ("image", "image_url")
+# What SGLang's Qwen-VL processor reads as media in a prompt's decoded text: the family's
+# placeholder tokens, and its /generate form's image sentinel
+# (``sglang/srt/multimodal/processors/qwen_vl.py``, ``image_token_regex``)
+MEDIA_PLACEHOLDERS = ("<|image_pad|>", "<|video_pad|>", "<|audio_pad|>", "<image>")
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,17 @@ def attach_images(
     if left:
         raise ValueError(f"{where}: {len(images)} images for {len(images) - len(left)} image parts")
     return tuple(out)
+
+
+def shows_media(ids_or_text: list[int] | str, tokenizer: Any) -> bool:
+    """Whether tokens (or their text) show a media placeholder where SGLang's multimodal
+    processor looks for one: it decodes a prompt's ids, special tokens kept, and reads each
+    placeholder as one more image, video or audio than it may be sent (a sampled one: the tiny
+    random policy samples them), refusing the request (400)."""
+    text = ids_or_text
+    if not isinstance(text, str):
+        text = tokenizer.decode(list(text), skip_special_tokens=False) if text else ""
+    return any(placeholder in text for placeholder in MEDIA_PLACEHOLDERS)
 
 
 def text_of(content: Any) -> str:

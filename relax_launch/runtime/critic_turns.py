@@ -13,24 +13,27 @@ memory plan's choice (``placement/critic_memory.py``, ``critic.offload``):
 - ``resident`` (decoupled): nothing moves.
 
 Each turn ends as it began (``done``): the critic in host memory, the policy whole on the
-device, as the coordinator's lease says; ``done`` runs also after a failure.
+device, as the coordinator's lease says; ``done`` runs also after a failure. A checkpoint's
+save or load of the critic moves memory as its step does (``checkpoint``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from relax_launch.placement.critic_memory import CriticMode, wanted_mode
 from relax_launch.placement.memory_plan import memory_plan
 from relax_launch.runtime.critic_worker import CriticClient
 from relax_launch.runtime.trainer_client import TrainerClient
-from relax_launch.trainer.offload import PARTS
+from relax_launch.trainer.offload import CHANGED, PARTS
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
     from relax_launch.placement.plan import PlacementPlan
 
 OPTIMIZER_STATE = ("grads", "optimizer")
+T = TypeVar("T")
 
 
 def critic_mode(job: JobConfig, plan: PlacementPlan) -> CriticMode | None:
@@ -77,6 +80,24 @@ class CriticTurns:
         self._count("critic_offloaded", self.critic.offload(PARTS))
         if self.mode == "swap":
             self._count("policy_swapped_in", self.trainer.onload(OPTIMIZER_STATE))
+
+    def checkpoint(self, critic_part: Callable[[], T]) -> T:
+        """The critic's save or load (``critic_part``), between steps or before the first, where
+        the policy is whole on the device and the critic in host memory: the critic's worker
+        brings its parameters and optimizer state for the duration, and swapping, the policy's
+        gradients and optimizer state leave first, as for the critic's step (the plan's ``train
+        critic`` phase holds that moment; both models' state at once it does not). Kept, the
+        plan's ``train critic`` holds both. Only the parts that offload moved come back: one
+        already in host memory stays there."""
+        if self.mode != "swap":
+            return critic_part()
+        reply = self.trainer.offload(OPTIMIZER_STATE)
+        moved = tuple(p for p in OPTIMIZER_STATE if reply.get(f"{CHANGED}{p}"))
+        try:
+            return critic_part()
+        finally:
+            if moved:
+                self.trainer.onload(moved)
 
     def take_moved(self) -> dict[str, float]:
         """The bytes moved since the last call, by direction."""

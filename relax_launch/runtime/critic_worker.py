@@ -3,12 +3,18 @@ records rank 0 sends, the worker that answers them on each of its ranks, and ran
 client. Batches go beside the commands over a ``ShardChannel`` (the trainer's, or one over the
 critic's own grid), as the trainer's do; per-token values come back from each DP rank's tp0
 rank the way logprobs do. On ranks of its own, rank 0 posts the critic's steps and goes on to
-the policy's: both train at once (``start_training``, ``finish_training``).
+the policy's: both train at once (``start_training``, ``finish_training``). Every mini-batch's
+shard of a DP rank travels in one transfer with the others (``CriticTrainSteps``), so rank 0 has
+as many sends in flight as for one step, whatever ``critic.mini_batches``; their buffers hold
+every mini-batch's rows joined (the bytes a queue of per-step sends would hold, in one buffer a
+DP rank), and a receiving critic rank holds every mini-batch's joined tokens at once while it
+trains them in turn.
 
 In a colocated placement the value model lives in host memory between the trainer's turns: it
 is offloaded once built, and rank 0 moves its parts in and out within the turn
 (``runtime/critic_turns.py``, the same ``StateOffloader`` as the policy's). A checkpoint's save
-or load brings the parts it needs back for its own duration."""
+or load brings the parts it needs back for its own duration (swapping, with the policy's
+optimizer state out first: ``CriticTurns.checkpoint``)."""
 
 from __future__ import annotations
 
@@ -23,11 +29,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from relax_launch.models.build import ensure_model
 from relax_launch.runtime.control import Command, Handler, Posted
-from relax_launch.runtime.distributed import CONTROLLER, ShardChannel, Transfer
+from relax_launch.runtime.distributed import ShardChannel, Transfer
 from relax_launch.runtime.trainer_client import TrainerClient, moved_by_ranks
 from relax_launch.trainer.batch import ShardShape, TokenBatch
 from relax_launch.trainer.critic import STEP_SECONDS, Critic
-from relax_launch.trainer.offload import PARTS, StateOffloader
+from relax_launch.trainer.offload import PARTS, StateOffloader, move_parts
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -44,11 +50,13 @@ class CriticValues(Command):
 
 
 @dataclass(frozen=True)
-class CriticTrainStep(Command):
-    """One optimizer step of the clipped value loss (returns and old values in the batch)."""
+class CriticTrainSteps(Command):
+    """``steps`` optimizer steps in order, on consecutive equal parts of each DP rank's shard
+    (``shapes``: each DP rank's shards of every step, joined: ``joined_shards``)."""
 
-    op: ClassVar[str] = "critic.train_step"
+    op: ClassVar[str] = "critic.train_steps"
     shapes: tuple[ShardShape, ...]
+    steps: int
     value_clip: float | None
 
 
@@ -92,7 +100,7 @@ class CriticWorker:
     def handlers(self) -> dict[str, Handler]:
         return {
             CriticValues.op: self.values,
-            CriticTrainStep.op: self.train_step,
+            CriticTrainSteps.op: self.train_steps,
             SaveCritic.op: self.save,
             LoadCritic.op: self.load,
             OffloadCritic.op: lambda c: self.move("offload", c.parts),
@@ -110,14 +118,23 @@ class CriticWorker:
         finally:  # rank 0 waits for them whatever happened
             self.shards.send_result(rows, shape)
 
-    def train_step(self, command: CriticTrainStep) -> dict[str, float]:
-        """One step's metrics, with how long it took on this rank (``STEP_SECONDS``: a
-        duration, which rank 0 sets beside the policy's on ranks of its own); logged by the
-        rank whose reply rank 0 reads (tp 0, dp 0), not by each of the critic's ranks."""
+    def train_steps(self, command: CriticTrainSteps) -> list[dict[str, float]]:
+        """Each step's metrics, in order, with how long it took on this rank
+        (``STEP_SECONDS``: a duration, which rank 0 sets beside the policy's on ranks of its
+        own; the first step's counts the shards' receive)."""
         started = time.monotonic()
-        shard = self.shards.receive(command.shapes[self.shards.dp_rank])
-        self.offloader.require("critic.train_step", PARTS)
-        metrics = self.critic.train_step(shard, command.value_clip)
+        joined = self.shards.receive(command.shapes[self.shards.dp_rank])
+        replies = []
+        for shard in split_steps(joined, command.steps):
+            replies.append(self._train(shard, command.value_clip, started))
+            started = time.monotonic()
+        return replies
+
+    def _train(self, shard: TokenBatch, clip: float | None, started: float) -> dict[str, float]:
+        """One optimizer step, logged by the rank whose reply rank 0 reads (tp 0, dp 0), not
+        by each of the critic's ranks."""
+        self.offloader.require("critic.train_steps", PARTS)
+        metrics = self.critic.train_step(shard, clip)
         if self.shards.rank == self.shards.result_rank(0):  # the one whose reply rank 0 reads
             log.info(
                 "critic step %d: value loss %.6g, clip fraction %.3g, grad norm %.4g",
@@ -129,10 +146,8 @@ class CriticWorker:
         return metrics | {STEP_SECONDS: time.monotonic() - started}
 
     def move(self, action: str, parts: Iterable[str]) -> dict[str, float]:
-        """Offload or onload ``parts``: the bytes moved and the seconds it took."""
-        start = time.perf_counter()
-        moved = getattr(self.offloader, action)(parts)
-        return {"bytes": sum(moved.values()), "seconds": time.perf_counter() - start}
+        """Offload or onload ``parts``: the bytes moved, the seconds it took, the parts moved."""
+        return move_parts(self.offloader, action, parts)
 
     def save(self, command: SaveCritic) -> str | None:
         with self._resident(("params", "optimizer")):
@@ -171,37 +186,27 @@ class CriticClient(TrainerClient):
 
     def start_training(
         self, batches: list[TokenBatch], value_clip: float | None
-    ) -> list[tuple[Posted, Transfer]]:
-        """Post one value-model step per batch, in order, and send their shards; the ranks
-        train them while rank 0 goes on (``finish_training`` collects them). Several at once
-        only on ranks of its own: rank 0 holds one shard of its own at a time."""
-        if len(batches) > 1 and CONTROLLER in self.layout.ranks:
-            raise ValueError("several critic steps in flight need the critic's own ranks")
-        started = []
-        for batch in batches:
-            shards = batch.shards(self.layout.dp_size)
-            command = CriticTrainStep(tuple(s.shape() for s in shards), value_clip)
-            posted = self.channel.post(command, self.layout.ranks)
-            started.append((posted, self.shards.start(shards)))
-        return started
+    ) -> tuple[Posted, Transfer]:
+        """Post one value-model step per batch, in order, and send their shards, each DP
+        rank's joined into one (as many sends in flight as for one step); the ranks train them
+        while rank 0 goes on (``finish_training`` collects them)."""
+        joined = joined_shards(batches, self.layout.dp_size)
+        command = CriticTrainSteps(tuple(s.shape() for s in joined), len(batches), value_clip)
+        posted = self.channel.post(command, self.layout.ranks)
+        return posted, self.shards.start(joined)
 
-    def finish_training(self, started: list[tuple[Posted, Transfer]]) -> list[dict[str, float]]:
-        """Each started step's metrics (with ``STEP_SECONDS``), in order."""
-        steps = []
-        for done, (posted, transfer) in enumerate(started):
-            try:
-                steps.append(self._collect(posted, transfer)[self._last_stage_rank()])
-            except BaseException:  # the later steps' sends are finished too: none left pending
-                for later in started[done + 1 :]:
-                    with contextlib.suppress(Exception):
-                        self._collect(*later)
-                raise
-        return steps
-
-    def _collect(self, posted: Posted, transfer: Transfer) -> dict[int, Any]:
-        replies = self.channel.collect(posted, self.local.get(posted.command.route))
+    def finish_training(self, started: tuple[Posted, Transfer]) -> list[dict[str, float]]:
+        """Each started step's metrics (with ``STEP_SECONDS``), in order. A failed step still
+        waits for the shards' sends (their buffers stay alive until then), then raises."""
+        posted, transfer = started
+        try:
+            replies = self.channel.collect(posted, self.local.get(posted.command.route))
+        except BaseException:  # the sends end before the job's shutdown; the step's error wins
+            with contextlib.suppress(Exception):
+                self.shards.finish(transfer)
+            raise
         self.shards.finish(transfer)
-        return replies
+        return replies[self._last_stage_rank()]
 
     def save(self, directory: str) -> list[str]:
         return [path for path in self._call(SaveCritic(directory)).values() if path]
@@ -216,6 +221,41 @@ class CriticClient(TrainerClient):
 
     def onload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
         return moved_by_ranks(self._call(OnloadCritic(tuple(parts))))
+
+
+def joined_shards(batches: list[TokenBatch], dp_size: int) -> list[TokenBatch]:
+    """Per DP rank, its shard of every batch, in batch order, as one batch (what
+    ``split_steps`` takes apart on that rank)."""
+    per_batch = [batch.shards(dp_size) for batch in batches]
+    return [_joined([shards[dp] for shards in per_batch]) for dp in range(dp_size)]
+
+
+def split_steps(joined: TokenBatch, steps: int) -> list[TokenBatch]:
+    """``joined_shards``' batch of one DP rank back into its ``steps`` shards, in order (the
+    batches of one post are the same size: ``critic.mini_batches`` equal parts); rows that do
+    not divide into ``steps`` equal parts are refused, not dropped."""
+    if steps < 1 or len(joined) % steps:
+        raise ValueError(
+            f"a critic rank's joined shard of {len(joined)} rows does not split into {steps} "
+            "equal steps: the batches of one CriticTrainSteps must be the same size"
+        )
+    size = len(joined) // steps
+    return [joined.select(range(k * size, (k + 1) * size)) for k in range(steps)]
+
+
+def _joined(parts: list[TokenBatch]) -> TokenBatch:
+    def rows(name: str) -> tuple | None:
+        found = [getattr(part, name) for part in parts]
+        return None if found[0] is None else tuple(row for part in found for row in part)
+
+    return TokenBatch(
+        rows("tokens"),
+        rows("loss_mask"),
+        rows("token_weights"),
+        rows("old_logprobs"),
+        rows("routed_experts"),
+        rows("images"),
+    )
 
 
 def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> CriticWorker:

@@ -235,16 +235,18 @@ class Session:
 
     def save_trainer(self, directory: str) -> list[str]:
         """The policy's shards, and the value model's beside them (a job with a critic)."""
-        files = self.trainer.save(directory)
-        return files + (self.critic.save(directory) if self.critic is not None else [])
+        files, turns = self.trainer.save(directory), self.critic_turns
+        if turns is None:
+            return files
+        return files + turns.checkpoint(lambda: turns.critic.save(directory))
 
     def export_trainer(self, directory: str, dtype: str) -> dict[str, str]:
         return self.trainer.export_hf(directory, dtype)
 
     def load_trainer(self, directory: str) -> int:
         """The policy's optimizer steps restored (and the value model's state, with a critic)."""
-        if self.critic is not None:
-            self.critic.load(directory)
+        if (turns := self.critic_turns) is not None:
+            turns.checkpoint(lambda: turns.critic.load(directory))
         return self.trainer.load(directory)
 
     def critic_values(self, batch: TokenBatch) -> list[list[float]]:

@@ -22,7 +22,7 @@ from relax_launch.runtime.rank_commands import (
 )
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.losses import LossSpec
-from relax_launch.trainer.offload import PARTS
+from relax_launch.trainer.offload import CHANGED, PARTS
 
 
 class TrainerClient:
@@ -106,8 +106,10 @@ class TrainerClient:
 
 
 def moved_by_ranks(replies: dict[int, dict[str, float]]) -> dict[str, float]:
-    """Trainer ranks' offload/onload replies as one: bytes summed, seconds of the slowest."""
+    """Trainer ranks' offload/onload replies as one: bytes summed, seconds of the slowest, and
+    ``changed/<part>`` for a part any rank moved (``offload.move_parts``)."""
+    changed = {key: 1.0 for r in replies.values() for key in r if key.startswith(CHANGED)}
     return {
         "bytes": sum(r["bytes"] for r in replies.values()),
         "seconds": max(r["seconds"] for r in replies.values()),
-    }
+    } | changed

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 MASKED = -10000.0  # as Megatron's local attention: finite, so a fully masked row is no NaN
+Spans = list[list[tuple[int, int]]]  # per row, (start, end) of each of its sequences
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Positions:
 
     ids: torch.Tensor  # [batch, sequence] of this rank's slice
     # per row, (start, end) of each sequence; None: one sequence per row (the fast path)
-    sequences: list[list[tuple[int, int]]] | None
+    sequences: Spans | None
     masked: torch.Tensor | None = None  # context parallel: [batch, 1, local, whole] True = masked
 
 
@@ -77,11 +78,16 @@ def positions_of(ids: torch.Tensor, cp: Any) -> Positions:
         later = index[None, :] > index[local, None]
         other = sequence[:, local, None] != sequence[:, None, :]
         return Positions(ids, None, (later[None] | other)[:, None])
-    starts = ids == 0
-    if bool(starts[:, 1:].any()):
-        rows = [[*row.nonzero()[:, 0].tolist(), ids.shape[1]] for row in starts]
-        return Positions(ids, [list(pairwise(row)) for row in rows])
-    return Positions(ids, None)
+    return Positions(ids, sequence_spans(ids == 0))
+
+
+def sequence_spans(starts: torch.Tensor) -> Spans | None:
+    """Per row of ``starts`` ([batch, sequence], True where a sequence starts), (start, end)
+    of each sequence; None when every row holds one (the fast path)."""
+    if not bool(starts[:, 1:].any()):
+        return None
+    rows = [[*row.nonzero()[:, 0].tolist(), starts.shape[1]] for row in starts]
+    return [list(pairwise(row)) for row in rows]
 
 
 def set_positions(positions: Positions) -> None:

@@ -38,7 +38,7 @@ class LoraConfig(Section):
         "the adapters merged in, each sync sending the targeted weights (W + scale·BA), in place "
         "(in split/defer the whole model: a released engine's weights come back as zeros). "
         "'adapter': SGLang's LoRA serving, the base model plus each version's adapter loaded "
-        "from the run directory (decoupled placement only).",
+        "from the run directory (decoupled placement and text models only).",
     )
     target_modules: tuple[LoraTarget, ...] = Field(
         ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
@@ -160,7 +160,8 @@ class TrainerConfig(Section):
         False,
         description="A vision-language model (Qwen2.5-VL): keep its vision tower and patch "
         "merger as loaded, training the language model alone; the weight sync to decoupled "
-        "engines then sends only the language model. Ignored by text models.",
+        "engines then sends only the language model. trainer.lora implies it (LoRA keeps every "
+        "base weight as loaded): leave it out or true there. Refused on a text model.",
     )
 
     @model_validator(mode="after")

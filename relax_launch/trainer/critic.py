@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from relax_launch import platform
 from relax_launch.trainer import micro_batches
@@ -37,6 +36,7 @@ from relax_launch.trainer.model import (
     read_shape,
     wrap_ddp,
 )
+from relax_launch.trainer.offload import kept_on
 from relax_launch.trainer.step_metrics import dp_sums
 from relax_launch.trainer.trainer import save_durably
 
@@ -154,10 +154,11 @@ class Critic:
                 f"{self.tp_field} (resume with the critic section and sizes it was saved with)"
             )
         # mapped from the file, not read into host memory (every rank of a node loads at once);
-        # each tensor reaches the device only as the copy into its own place
+        # the model's tensors reach the device only as the copies into their live places, the
+        # Adam state whole (kept_on) before load_state_dict takes it as the live state
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         self.model.module.load_state_dict(state["model"])  # copies into the live parameters
-        self.optimizer.load_state_dict(_kept_on(state.pop("optimizer"), self.torch_device))
+        self.optimizer.load_state_dict(kept_on(state.pop("optimizer"), self.torch_device))
         self.step = int(state["step"])
         return self.step
 
@@ -220,19 +221,6 @@ def value_step(
         return loss_sum, count.round().int(), report
 
     return output, loss_fn
-
-
-def _kept_on(saved: Any, device: torch.device | str) -> Any:
-    """A host-memory optimizer state dict whose tensors that the optimizer keeps (Adam's
-    per-parameter moments and steps) are copied to ``device`` one by one: torch.load's storages
-    cannot be resized, which is how offloading frees one. The main weights stay in host memory:
-    Megatron copies them into its live ones."""
-    for part in saved if isinstance(saved, list) else [saved]:
-        inner = part.get("optimizer", part)
-        inner["state"] = tree_map(
-            lambda v: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v, inner["state"]
-        )
-    return saved
 
 
 SUMMED = ("loss_sum", "count", "tokens", "value_clipped")  # a train step's sums

@@ -26,16 +26,19 @@ part moves nothing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from relax_launch import platform
 
 PARTS = ("params", "grads", "optimizer")
 DISCARDED = ("grads",)  # a train step zeroes them first: freed, not copied
+CHANGED = "changed/"  # a move's reply key, one per part it moved: "changed/grads": 1.0
 
 
 class OffloadedError(RuntimeError):
@@ -178,6 +181,32 @@ class StateOffloader:
         return [m.optimizer for m in megatron if getattr(m, "optimizer", None) is not None]
 
 
+def move_parts(offloader: StateOffloader, action: str, parts: Iterable[str]) -> dict[str, float]:
+    """``offloader``'s ``action`` ("offload" or "onload") of ``parts``, as a rank replies: the
+    bytes moved, the seconds it took, and ``changed/<part>`` for each part this call moved (not
+    one that was already where it was sent; an empty part moves 0 bytes but is one)."""
+    start, parts = time.perf_counter(), check_parts(parts)
+    changed = [p for p in parts if offloader.resident(p) == (action == "offload")]
+    moved = getattr(offloader, action)(parts)
+    reply = {"bytes": float(sum(moved.values())), "seconds": time.perf_counter() - start}
+    return reply | {f"{CHANGED}{part}": 1.0 for part in changed}
+
+
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat byte tensor over the whole storage under ``tensor`` (not just its view)."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def kept_on(saved: Any, device: torch.device | str) -> Any:
+    """A host-memory (``torch.load`` to the CPU) optimizer state dict with the tensors the
+    optimizer keeps as they are (Adam's per-parameter moments and steps) copied to ``device``,
+    all of them, before the optimizer loads it (``load_state_dict`` takes them as its state):
+    torch.load's storages cannot be resized, which is how offloading frees one. The main
+    weights stay in host memory: Megatron copies them into its live ones, so the file's copy
+    of them never reaches the device (as ``map_location=device`` would put it there)."""
+    for part in saved if isinstance(saved, list) else [saved]:
+        inner = part.get("optimizer", part)
+        inner["state"] = tree_map(
+            lambda v: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v, inner["state"]
+        )
+    return saved

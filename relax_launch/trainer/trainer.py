@@ -10,14 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 from relax_launch import platform
 from relax_launch.trainer import micro_batches, sharded_optimizer
@@ -30,10 +28,10 @@ from relax_launch.trainer.lora import adapters_off, is_adapter, targets_of
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.trainer.model import build_optimizer
 from relax_launch.trainer.moe import compare_only, moe_routing
-from relax_launch.trainer.offload import PARTS, StateOffloader
+from relax_launch.trainer.offload import PARTS, StateOffloader, kept_on, move_parts
 from relax_launch.trainer.policy import bare_module, build_policy
 from relax_launch.trainer.step_metrics import batch_metrics, beyond_bounds
-from relax_launch.trainer.vlm_batches import PACKING_REFUSED, add_vision_inputs
+from relax_launch.trainer.vlm_batches import add_vision_inputs
 from relax_launch.trainer.vlm_policy import VLMExport
 
 
@@ -69,7 +67,7 @@ class Trainer:
         self.hf = (
             HFExport(self.model.module, self.shape, pgc, self.lora)
             if self.vision is None
-            else VLMExport(self.model.module, self.vision, pgc)
+            else VLMExport(self.model.module, self.vision, pgc, self.lora)
         )
         self.reference = None
         self.wants_reference = reference
@@ -91,16 +89,13 @@ class Trainer:
     def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
         """Move ``parts`` of this rank's state ("params" — with the reference model's —,
         "grads", "optimizer"; see ``trainer/offload.py``) to host memory, freeing the device
-        storage. Returns the bytes moved and the seconds it took; offloaded parts are skipped."""
-        start = time.perf_counter()
-        moved = self.offloader.offload(parts)
-        return {"bytes": sum(moved.values()), "seconds": time.perf_counter() - start}
+        storage. Returns the bytes moved, the seconds it took and the parts moved
+        (``offload.move_parts``); offloaded parts are skipped."""
+        return move_parts(self.offloader, "offload", parts)
 
     def onload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
         """Bring offloaded ``parts`` back to the device, bit-exact; same reply as ``offload``."""
-        start = time.perf_counter()
-        moved = self.offloader.onload(parts)
-        return {"bytes": sum(moved.values()), "seconds": time.perf_counter() - start}
+        return move_parts(self.offloader, "onload", parts)
 
     def resident(self, part: str) -> bool:
         """Whether state ``part`` is on the device (not offloaded)."""
@@ -181,15 +176,13 @@ class Trainer:
         sharded = self.section.distributed_optimizer
         if sharded:  # the model on the host: the shard copies what it needs to the device
             return self._load_sharded(directory, path)
-        state = torch.load(path, map_location=self.torch_device, weights_only=False)
+        # mapped from the file, not read whole onto the device: the model's tensors reach it only
+        # as the copies into their live places; the optimizer's Adam state (moments, steps) is
+        # copied to it whole by kept_on before load_state_dict takes it as the live state
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
         sharded_optimizer.check_resumable(state, False, self.pgc, path)
         self._load_model_state(state["model"], path)
-        # the optimizer keeps the loaded tensors themselves, and torch.load's storages cannot be
-        # resized, which is how offloading frees one (split/defer): it gets copies of its own
-        optimizer_state = tree_map(
-            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state["optimizer"]
-        )
-        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.load_state_dict(kept_on(state["optimizer"], self.torch_device))
         self.step = int(state["step"])
         return self.step
 
@@ -294,10 +287,9 @@ class Trainer:
             cp=(pgc.cp.rank(), pgc.cp.size()),
         )
         if self.vision is not None:
-            if section.pack_sequences:
-                raise ValueError(PACKING_REFUSED)
             add_vision_inputs(built, shard, self.vision)
-        return [{k: v.to(self.torch_device) for k, v in b.items()} for b in built]
+        device = self.torch_device  # a VLM's sequence_spans stay a list, read on the CPU
+        return [{k: _to(v, device) for k, v in b.items()} for b in built]
 
     def _schedule(
         self,
@@ -388,3 +380,8 @@ def evaluating(model: Any) -> Iterator[Any]:
         yield model
     finally:
         model.train()
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """A micro-batch's tensor on ``device``; anything else (a list read on the CPU) as it is."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -1,56 +1,77 @@
-"""A vision-language policy's micro-batches: the padded micro-batches of ``micro_batches.py``
-with multimodal RoPE positions ([3, rows, length]: temporal, height, width; ``mrope_positions``)
-and their rows' image patches and grids, in row order (the model replaces the image
-placeholder tokens' embeddings by the images' features in that order).
+"""A vision-language policy's micro-batches: the padded or packed micro-batches of
+``micro_batches.py`` with multimodal RoPE positions ([3, rows, length]: temporal, height, width;
+``mrope_positions``) and their sequences' image patches and grids, in order (the model replaces
+the image placeholder tokens' embeddings by the images' features in that order).
 
-Packed rows are refused: the multimodal positions of a packed row's later sequences do not
-restart at 0, from which the attention knows where a sequence starts (``trainer/attention.py``).
+Each sequence's positions start at 0, in a packed row as in a padded one: a sequence starts
+where all three are 0. A padded row's padding continues its positions; a packed row's tail (up
+to the length multiple) is one more sequence from 0, never trained on. Where each sequence
+spans (``sequence_spans``) is read from the positions here, on the CPU, and given to the
+model's forward, which attends within each (``trainer/attention.py``) without reading its
+device positions back.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.vlm_conversion import VLShape
-from relax_launch.trainer.vlm_model import mrope_positions
+from relax_launch.trainer.vlm_model import mrope_positions, spans_of
 
-PACKING_REFUSED = (
-    "trainer.pack_sequences: a vision-language policy trains on padded micro-batches (its "
-    "multimodal positions do not restart at each packed sequence); set it to false"
-)
 NO_IMAGES = torch.zeros(0, 3, dtype=torch.long)
 
 
 def add_vision_inputs(
     batches: list[dict[str, torch.Tensor]], shard: TokenBatch, shape: VLShape
 ) -> None:
-    """Give each padded micro-batch of ``shard`` its multimodal positions and, when its rows
-    show images, ``pixel_values`` and ``image_grid_thw`` (the model's keyword arguments)."""
+    """Give each micro-batch of ``shard`` (padded or packed) its multimodal positions, its
+    ``sequence_spans`` (None: one sequence per row) and, when its sequences show images,
+    ``pixel_values``, ``image_grid_thw`` and ``image_mask`` (the model's keyword arguments)."""
     for batch in batches:
-        rows = batch["order"].tolist()
-        inputs = batch["inputs"]
-        if not rows:  # a micro-batch of padding alone: text positions
-            batch["positions"] = batch["positions"].expand(3, *inputs.shape).contiguous()
-            continue
-        images = [shard.images[i] if shard.images else None for i in rows]
-        positions = torch.empty(3, *inputs.shape, dtype=torch.long)
-        mask = torch.zeros(inputs.shape, dtype=torch.bool)
-        for r, (i, row_images) in enumerate(zip(rows, images, strict=True)):
-            length = len(shard.tokens[i]) - 1
-            grids = NO_IMAGES if row_images is None else row_images.grids
-            ours = mrope_positions(inputs[r, :length], grids, shape)
-            positions[:, r, :length] = ours
-            tail = inputs.shape[1] - length  # padding: the positions after the row's last
-            positions[:, r, length:] = int(ours.max()) + 1 + torch.arange(tail)
-            mask[r] = image_tokens(inputs[r], grids, shape)
-        batch["positions"] = positions
-        shown = [row for row in images if row is not None]
-        if shown:
-            _check_image_tokens(mask, shown, shape)
-            batch["pixel_values"] = torch.cat([row.pixel_values for row in shown])
-            batch["image_grid_thw"] = torch.cat([row.grids for row in shown])
-            batch["image_mask"] = mask
+        _add_positions(batch, shard, shape)
+        batch["sequence_spans"] = spans_of(batch["positions"])  # on the CPU: no host sync
+
+
+def _add_positions(batch: dict, shard: TokenBatch, shape: VLShape) -> None:
+    """One micro-batch's multimodal positions and images (``add_vision_inputs``)."""
+    inputs = batch["inputs"]
+    if not batch["order"].numel():  # a micro-batch of padding alone: text positions
+        batch["positions"] = batch["positions"].expand(3, *inputs.shape).contiguous()
+        return
+    packed = "gather" in batch
+    positions = torch.empty(3, *inputs.shape, dtype=torch.long)
+    mask = torch.zeros(inputs.shape, dtype=torch.bool)
+    shown, ends = [], [0] * inputs.shape[0]  # each row's first position past its sequences
+    for row, start, i in _sequences(batch, shard):
+        row_images = shard.images[i] if shard.images else None
+        grids = NO_IMAGES if row_images is None else row_images.grids
+        span = slice(start, start + len(shard.tokens[i]) - 1)
+        positions[:, row, span] = mrope_positions(inputs[row, span], grids, shape)
+        mask[row, span] = image_tokens(inputs[row, span], grids, shape)
+        ends[row] = span.stop
+        shown += [] if row_images is None else [row_images]
+    for row, end in enumerate(ends):  # the tail: one more sequence packed, else padding
+        first = 0 if packed else int(positions[:, row, :end].max()) + 1
+        positions[:, row, end:] = first + torch.arange(inputs.shape[1] - end)
+    batch["positions"] = positions
+    if shown:
+        _check_image_tokens(mask, shown, shape)
+        batch["pixel_values"] = torch.cat([row.pixel_values for row in shown])
+        batch["image_grid_thw"] = torch.cat([row.grids for row in shown])
+        batch["image_mask"] = mask
+
+
+def _sequences(batch: dict[str, torch.Tensor], shard: TokenBatch) -> list[tuple[int, int, int]]:
+    """(row, first column, index in ``shard``) of each sequence of a micro-batch, in the order
+    its images' features fill the rows: one per row padded, end to end in row 0 packed."""
+    order = batch["order"].tolist()
+    if "gather" not in batch:
+        return [(row, 0, i) for row, i in enumerate(order)]
+    starts = torch.tensor([0] + [len(shard.tokens[i]) - 1 for i in order]).cumsum(0)
+    return [(0, int(start), i) for start, i in zip(starts, order, strict=False)]
 
 
 def _check_image_tokens(mask: torch.Tensor, shown: list, shape: VLShape) -> None:
@@ -73,6 +94,10 @@ def image_tokens(ids: torch.Tensor, grids: torch.Tensor, shape: VLShape) -> torc
     return placeholders & (placeholders.cumsum(0) <= count)
 
 
-def vision_arguments(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's image keyword arguments of one micro-batch (none for a text-only one)."""
-    return {k: batch[k] for k in ("pixel_values", "image_grid_thw", "image_mask") if k in batch}
+VISION_ARGUMENTS = ("pixel_values", "image_grid_thw", "image_mask", "sequence_spans")
+
+
+def vision_arguments(batch: dict[str, Any]) -> dict[str, Any]:
+    """The vision-language model's keyword arguments of one micro-batch: its images (none for a
+    text-only one) and its sequence spans; none for a text policy's micro-batch."""
+    return {k: batch[k] for k in VISION_ARGUMENTS if k in batch}

@@ -16,7 +16,9 @@ data parallelism alone reduces them, as for the language model's norms.
 
 A forward takes the row's token ids, their multimodal positions ([3, batch, sequence]:
 temporal, height, width; ``mrope_positions``) and the images' patches and grids; the image
-placeholder tokens' embeddings are replaced by the merged image features, in order.
+placeholder tokens' embeddings are replaced by the merged image features, in order. A row holds
+one sequence (padded) or several end to end (packed), each one's positions starting at 0: the
+attention (``trainer/attention.py``) never crosses from one to the next.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from relax_launch.trainer.attention import Positions, set_positions
+from relax_launch.trainer.attention import Positions, Spans, sequence_spans, set_positions
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_dir import read_weights
 from relax_launch.trainer.model import (
@@ -83,6 +85,16 @@ def _next_placeholder(placeholders: list[bool], start: int) -> int:
         return len(placeholders)
 
 
+FROM_POSITIONS = "from position_ids"  # the forward's sequence_spans, unset
+
+
+def spans_of(position_ids: torch.Tensor) -> Spans | None:
+    """Each row's sequences of multimodal ``position_ids`` [3, batch, sequence]: one starts
+    where its three positions are 0 (a packed row's sequences restart them; an image's later
+    tokens never are all 0). A host read when they are on the device."""
+    return sequence_spans((position_ids == 0).all(0))
+
+
 class VisionLanguageModel(torch.nn.Module):
     """The trainer's Qwen2.5-VL (module docstring). ``config`` and the attribute lookups
     Megatron's schedules and DDP make are the language model's."""
@@ -109,11 +121,16 @@ class VisionLanguageModel(torch.nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
+        sequence_spans: Spans | None | str = FROM_POSITIONS,
     ) -> torch.Tensor:
         """Per-token losses [batch, sequence] (-logprob of ``labels``), or the logits (this TP
-        rank's vocabulary slice) without labels. ``position_ids`` [3, batch, sequence]; one
-        sequence per row. ``image_mask`` [batch, sequence]: the tokens the image features
-        replace (unset: every image placeholder)."""
+        rank's vocabulary slice) without labels. ``position_ids`` [3, batch, sequence], each
+        sequence's from 0 (packed rows: several per row). ``image_mask`` [batch, sequence]:
+        the tokens the image features replace (unset: every image placeholder).
+        ``sequence_spans``: each row's (start, end) of its sequences, None for one a row
+        (``attention.sequence_spans``; the trainer's micro-batches read them on the CPU,
+        ``vlm_batches.add_vision_inputs``); unset, they are read from ``position_ids``, a
+        host sync."""
         embeddings = self.language.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             features = self.image_features(pixel_values, image_grid_thw)
@@ -132,7 +149,9 @@ class VisionLanguageModel(torch.nn.Module):
                 .masked_scatter(placeholders[..., None], features.to(embeddings.dtype))
                 .transpose(0, 1)
             )
-        set_positions(Positions(position_ids[0], None))  # causal, one sequence per row
+        if isinstance(sequence_spans, str):  # not the trainer's: read from the device
+            sequence_spans = spans_of(position_ids)
+        set_positions(Positions(position_ids[0], sequence_spans))
         return self.language(
             input_ids,
             position_ids,

@@ -5,7 +5,9 @@ the tower), which SGLang's Qwen2.5-VL loader and transformers read.
 
 With ``trainer.freeze_vision`` the tower (patch embedding, blocks, merger) takes no gradient:
 the optimizer holds only the language model, and a sync that sends only what training changes
-(decoupled engines) leaves the tower out.
+(decoupled engines) leaves the tower out. With ``trainer.lora`` the adapters on the language
+model's targeted linears are all that trains (``trainer/lora.py``, as for the text families):
+the tower is frozen too, and a sync sends the targeted weights merged, the tower never.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.hf_export import HFExport
+from relax_launch.trainer.lora import apply_lora
 from relax_launch.trainer.model import wrap_ddp
+from relax_launch.trainer.recompute import inputs_need_grad
 from relax_launch.trainer.vlm_conversion import (
     VISION,
     VLShape,
@@ -35,8 +39,13 @@ def build_vlm_policy(
     shape = read_vl_shape(model_dir)
     module = build_vlm_module(shape, section, pgc, device)
     load_vlm_checkpoint(module, model_dir, pgc)
-    if section.freeze_vision:  # before DDP, which buckets only the trainable parameters
+    # before DDP, which buckets only the trainable parameters
+    if section.freeze_vision or section.lora is not None:
         module.vision.requires_grad_(False)
+    if section.lora is not None:  # the language model is one stage: its layers start at 0
+        apply_lora(module.language, section.lora, pgc.tp, 0, section.seed)
+        if section.recompute == "full":  # the embedding is frozen (see inputs_need_grad)
+            inputs_need_grad(module.language)
     return wrap_ddp(module, section, pgc), shape
 
 
@@ -44,8 +53,8 @@ class VLMExport(HFExport):
     """``HFExport`` of the trainer's Qwen2.5-VL: the language model TP-gathered and converted
     like a Qwen2 decoder's, the replicated tower as it is, under ``visual.``."""
 
-    def __init__(self, module: Any, shape: VLShape, pgc: Any) -> None:
-        super().__init__(module, shape.text, pgc, {})
+    def __init__(self, module: Any, shape: VLShape, pgc: Any, lora: dict[str, Any]) -> None:
+        super().__init__(module, shape.text, pgc, lora)
         self.vl_shape = shape
 
     def split_dim(self, name: str) -> int | None:

@@ -18,12 +18,13 @@ SSE_CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\n', b"\n", b"data
 
 
 class FakeUpstream:
-    """``mode``: ok | slow | fail_after_first | hang_after_first | error_400."""
+    """``mode``: ok | slow | fail_after_first | hang_after_first | error_400 | score."""
 
     def __init__(self, port: int = 0) -> None:
         self.mode = "ok"
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0
+        self.answered = 0  # whole (non-streamed) replies sent
         self.lock = threading.Lock()
         self.server = uvicorn.Server(
             uvicorn.Config(
@@ -56,7 +57,7 @@ class FakeUpstream:
 
     def reset(self, mode: str = "ok") -> None:
         with self.lock:
-            self.mode, self.requests, self.disconnects = mode, [], 0
+            self.mode, self.requests, self.disconnects, self.answered = mode, [], 0, 0
 
     async def app(self, scope, receive, send) -> None:
         body = b""
@@ -76,6 +77,10 @@ class FakeUpstream:
         if payload.get("stream"):
             return await self._stream(receive, send)
         echo = {"path": scope["path"], "received": payload, "text": "  judged: 7  "}
+        if self.mode == "score":  # a teacher's: each input token's logprob from the start asked
+            start = payload.get("logprob_start_len", 0)
+            scored = payload.get("input_ids", [])[start:]
+            echo["meta_info"] = {"input_token_logprobs": [[-0.5, t, None] for t in scored]}
         await self._reply(send, 200, json.dumps(echo).encode(), "application/json")
 
     async def _reply(self, send, status: int, body: bytes, content_type: str) -> None:
@@ -83,6 +88,8 @@ class FakeUpstream:
         headers.append((b"connection", b"keep-alive"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        with self.lock:
+            self.answered += 1
 
     async def _stream(self, receive, send) -> None:
         start = {"type": "http.response.start", "status": 200}

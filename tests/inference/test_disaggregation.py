@@ -91,10 +91,10 @@ def test_a_failing_prefill_half_answers_for_the_pair_at_once(halves):
     prefill.reset("error_400")
     manager = pair_manager(f"{decode.url}/d", f"{prefill.url}/p")
     with serve({"rollout": manager}) as url:
-        began = time.monotonic()
         reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=30)
-        seconds = time.monotonic() - began
-    assert reply.status_code == 400 and seconds < 4, (reply.text, seconds)
+        answered = decode.answered  # what the decode half had answered by then
+    # at once: before the decode half answered (it would after 5 s), not after it
+    assert reply.status_code == 400 and answered == 0, reply.text
     assert "prefill engine m/1" in reply.json()["error"]["message"]
 
 
@@ -104,14 +104,11 @@ def test_an_unreachable_prefill_half_is_a_502_naming_it(upstream):
     with serve({"rollout": manager}) as url:
         reply = httpx.post(f"{url}/rollout/generate", json=GREEDY, timeout=30)
         upstream.reset("hang_after_first")  # the decode half's stream would never end alone
-        began = time.monotonic()
         with httpx.stream(
             "POST", f"{url}/rollout/generate", json={**GREEDY, "stream": True}, timeout=30
         ) as streamed:
-            streamed.read()  # ended by the gateway once its prefill half failed
-        seconds = time.monotonic() - began
+            streamed.read()  # ended by the gateway once its prefill half failed (else a timeout)
     assert reply.status_code == 502 and f"prefill engine m/1 ({gone})" in reply.text
-    assert seconds < 10, seconds
     deadline = time.monotonic() + 5
     while upstream.disconnects == 0 and time.monotonic() < deadline:
         time.sleep(0.05)

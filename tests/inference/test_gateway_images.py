@@ -209,6 +209,37 @@ def test_the_judge_form_sends_its_images_with_the_rendered_prompt(upstream):
     assert sent["image_data"] == [as_data(PNG)] and len(upstream.requests) == 1
 
 
+def shown_as_qwen(messages, kwargs) -> str:
+    """The judge prompt as Qwen-VL's template renders it: each image, then the text."""
+    parts = messages[0]["content"]
+    images = "<|vision_start|><|image_pad|><|vision_end|>" * sum(p["type"] != "text" for p in parts)
+    return images + "".join(p.get("text", "") for p in parts) + " Score:"
+
+
+def test_a_judge_prompt_spelling_out_a_placeholder_is_refused_naming_the_count(upstream):
+    manager = vision_manager("genrm", f"{upstream.url}/e0")
+    renderers = {"genrm": shown_as_qwen}
+    spelled = [chat(as_data(PNG), text=t) for t in ("a <image>", "<|video_pad|>", "<|image_pad|>")]
+    with serve({"genrm": manager}, renderers=renderers) as url:
+        refused = [httpx.post(f"{url}/genrm/generate", json=body) for body in spelled]
+        judged = httpx.post(f"{url}/genrm/generate", json=chat(as_data(PNG), text="< image>"))
+    for reply in refused:
+        assert reply.status_code == 400, reply.text
+        assert "shows 2 media placeholders for 1 images" in reply.text
+    assert judged.status_code == 200 and len(upstream.requests) == 1
+    upstream.reset()
+    engines = EngineClients(
+        {"genrm": vision_manager("genrm", f"{upstream.url}/e0")}, timeout_s=10, renderers=renderers
+    )
+    engines.start()
+    try:
+        with pytest.raises(InferenceError, match="2 media placeholders for 1 images") as error:
+            engines.run(engines.client("genrm").request("/generate", spelled[0]), "judge")
+    finally:
+        engines.close()
+    assert error.value.status == 400 and upstream.requests == []
+
+
 def test_the_in_process_client_checks_images_as_the_gateway(upstream, images_dir):
     manager = vision_manager("rollout", f"{upstream.url}/e0")
     policy = ImagePolicy(ImageLimits(allowed_dirs=(str(images_dir),)))

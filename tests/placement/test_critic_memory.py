@@ -10,8 +10,11 @@ import pytest
 
 from relax_launch.config import ConfigError, load_config
 from relax_launch.placement import plan
+from relax_launch.placement.critic_memory import TRAIN_CRITIC
 from relax_launch.placement.memory_plan import GB, check_memory, memory_plan
 from relax_launch.placement.render import memory_table
+from relax_launch.runtime.critic_turns import CriticTurns
+from relax_launch.trainer.offload import CHANGED
 
 REPO = Path(__file__).resolve().parents[2]
 # the benchmark's PPO job (SmolLM2, fp32), in defer placement on 2 ranks, started as on GPUs
@@ -102,3 +105,60 @@ def test_a_decoupled_critic_is_resident_beside_the_policy():
     assert [d.phase for d in memory.devices if d.rank == 0] == ["resident"]
     state, terms = holders(memory, "resident", rank=0)["critic"]
     assert state == "resident" and "optimizer state" in terms and "activations" not in terms
+
+
+class Residency:
+    """A trainer's or critic's client that knows which of its parts are on the device."""
+
+    def __init__(self, resident: set[str]) -> None:
+        self.resident = resident
+
+    def offload(self, parts):  # each part it moved named as a rank's reply names it
+        moved = {f"{CHANGED}{p}": 1.0 for p in parts if p in self.resident}
+        self.resident -= set(parts)
+        return {"bytes": 0.0} | moved
+
+    def onload(self, parts):
+        moved = {f"{CHANGED}{p}": 1.0 for p in parts if p not in self.resident}
+        self.resident |= set(parts)
+        return {"bytes": 0.0} | moved
+
+
+# a state part's terms in the memory plan (trainer/offload.py's parts)
+PART_TERMS = {
+    "params": ("parameters",),
+    "grads": ("gradients",),
+    "optimizer": ("master weights", "optimizer state"),
+}
+
+
+@pytest.mark.parametrize("mode", ["keep", "swap"])
+def test_a_checkpoint_of_the_critic_holds_no_more_than_the_trainers_turn_the_plan_checks(mode):
+    """Save and load happen where a step leaves the ranks (the policy whole, the critic in host
+    memory, the engines released); the critic's worker brings its parameters and optimizer
+    state for the duration (runtime/critic_worker.py). What the device holds then is within
+    the peak of the trainer's turn, which the plan checks: swapped, the policy's optimizer
+    state leaves first (both models' state at once, 4.12 GB here, is more than the swap plan's
+    peak of 3.99 GB)."""
+    _, memory = memory_of(f"critic.offload={mode}")
+    policy, critic = Residency({"params", "grads", "optimizer"}), Residency(set())
+    turns = CriticTurns(policy, critic, mode)
+    seen: list[dict[str, set[str]]] = []
+
+    def worker_at_work() -> str:  # the worker's _resident: params and optimizer on the device
+        seen.append({"trainer": set(policy.resident), "critic": {"params", "optimizer"}})
+        return "done"
+
+    assert turns.checkpoint(worker_at_work) == "done"
+    assert policy.resident == {"params", "grads", "optimizer"}  # as the step left it
+    turn = [d for d in memory.devices if d.rank == 1 and d.phase in ("train", TRAIN_CRITIC)]
+    whole = {  # every term of each model on rank 1, by role
+        role: holders(memory, phase)[role][1]
+        for role, phase in (("trainer", "train"), ("critic", TRAIN_CRITIC))
+    }
+    others = sum(h.device_bytes for h in turn[0].holders if h.role not in whole)  # engines
+    (moment,) = seen
+    held = others + whole["trainer"]["runtime"]  # the critic shares the trainer's process
+    for role, parts in moment.items():
+        held += sum(whole[role].get(n, 0.0) for p in parts for n in PART_TERMS[p])
+    assert held <= max(d.total for d in turn)

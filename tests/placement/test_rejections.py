@@ -310,17 +310,17 @@ CASES = {
         [VLM, "cluster.device=cuda", "rollout.engine.image_processor_backend=torchvision"],
         ["rollout.engine.image_processor_backend: set it to pil", "must equal the engine's"],
     ),
-    "LoRA on a vision-language policy": (
-        [VLM, PIL, "trainer.lora.rank=4"],
-        ["trainer.lora is not built for a vision-language trainer.model", "remove trainer.lora"],
+    "LoRA served as an adapter on a vision-language policy": (
+        [VLM, PIL, "trainer.lora.rank=4", "trainer.lora.engines=adapter"],
+        ["trainer.lora.engines=adapter is not built for a vision-language", "engines=merged"],
     ),
-    "packed rows of a vision-language policy": (
-        [VLM, PIL, "trainer.pack_sequences=true"],
-        ["trainer.pack_sequences is not built for a vision-language", "set it to false"],
+    "LoRA on a vision-language policy with its tower trained": (
+        [VLM, PIL, "trainer.lora.rank=4", "trainer.freeze_vision=false"],
+        ["trainer.freeze_vision=false with trainer.lora", "keeps the vision tower as loaded"],
     ),
-    "vision-language policy colocated": (
-        [VLM, PIL, *SPLIT],
-        ["placement.mode=split is not built for a vision-language trainer.model"],
+    "one row per agentic turn on a vision-language policy": (
+        [VLM, PIL, "rollout.function=builtin:calculator", "rollout.multi_turn=per_turn"],
+        ["rollout.multi_turn=per_turn is not built for a vision-language", "continue_tokens"],
     ),
     "images for a text policy": (
         ["data.dataset=builtin:shape_counting"],
@@ -570,3 +570,12 @@ def test_a_vision_language_policy_with_the_pil_processor_is_accepted():
     """What the RL step with images runs (docs/vlm.md) passes the config and preflight; the
     fields it cannot use yet are the rejections above."""
     check([VLM, PIL, "data.dataset=builtin:shape_counting", "trainer.freeze_vision=true"])
+    lora = [VLM, PIL, "data.dataset=builtin:shape_counting", "trainer.lora.rank=8"]
+    check(lora)  # LoRA keeps the tower as loaded: freeze_vision left out, or true
+    check([*lora, "trainer.freeze_vision=true"])
+    # the other schedules (tests/rl/test_vlm_schedules_job.py)
+    visual = [VLM, PIL, "data.dataset=builtin:shape_counting"]
+    check([*visual, *SPLIT])
+    check([*visual, "placement.mode=defer", "trainer.ranks=null"])
+    check([*visual, "algorithm.max_staleness=1"])
+    check([*visual, "eval.data.dataset=builtin:shape_counting", "eval.data.seed=7"])

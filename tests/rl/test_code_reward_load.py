@@ -1,7 +1,8 @@
 """Measured: while a step's code rewards take long (sandboxes spinning until their wall time,
 on every core), the gateway (a real one, its uvicorn thread in this process, as in rank 0)
-answers HTTP requests and another thread's math_verify rewards complete, promptly. Run with
-``-m slow -s`` for the figures."""
+answers HTTP requests and another thread's math_verify rewards complete, promptly: all of them
+while the first round of sandboxes still spins, none of it having reached its wall time. Run
+with ``-m slow -s`` for the figures."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ pytestmark = [
         bool(sandbox_problem(CodeTestsConfig(uid=UID))), reason="no code sandbox on this machine"
     ),
 ]
-WALL_S = 2.0
+WALL_S = 4.0  # the room the gateway's and math's answers have (the first round's wall time)
 SPINNING = 8  # 4 at once: two rounds of WALL_S
 
 
@@ -67,15 +68,18 @@ def test_slow_code_rewards_block_neither_the_gateway_nor_other_rewards():
 
         def score_code() -> None:
             start = time.monotonic()
-            code.score(spinning)
+            took.update(code.score(spinning))
             took["code"] = time.monotonic() - start
 
         thread = threading.Thread(target=score_code)
         thread.start()
         pool = code.sandboxes["code"]
         assert wait_until(lambda: len(pool.running) == 4, timeout_s=10, interval_s=0.01)
+        first_round = list(pool.running)
         busy_http, busy_math = http_latencies(server.url), math_seconds(math)
-        in_flight = thread.is_alive()  # all of the above happened while the code scored
+        # all of the above happened while the first round still spun (none of it ended)
+        running = list(pool.running)
+        in_first_round = all(any(s is r for r in running) for s in first_round)
         thread.join(timeout=60)
     finally:
         server.stop()
@@ -88,5 +92,5 @@ def test_slow_code_rewards_block_neither_the_gateway_nor_other_rewards():
         f"{statistics.median(busy_http) * 1e3:.1f} ms, max {max(busy_http) * 1e3:.1f} ms\n"
         f"32 math_verify rewards, idle: {idle_math:.2f} s; during: {busy_math:.2f} s"
     )
-    assert in_flight and took["code"] >= 2 * WALL_S
-    assert max(busy_http) < 1.0 and busy_math < 2.0
+    assert in_first_round
+    assert took["reward/code/timeouts"] == SPINNING  # every one spun to its wall time

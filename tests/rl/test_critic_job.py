@@ -106,9 +106,11 @@ def test_a_colocated_critic_swaps_within_the_trainers_turn_and_resumes_exactly(t
 
 # decoupled with the critic on a rank of its own (critic.ranks=own): the trainer (DP 2) on ranks
 # 0-1, the value model on rank 2, the rollout engine on rank 3; the critic's step is posted
-# before the policy's and both train at once. Near-greedy sampling for the exact replay.
+# before the policy's and both train at once, two mini-batches each step. Near-greedy sampling
+# for the exact replay.
 OWN = [
     "critic.ranks=own",
+    "critic.mini_batches=2",  # both steps' shards in one transfer (CriticTrainSteps)
     "cluster.nproc_per_node=4",
     "algorithm.num_steps=3",
     "algorithm.temperature=0.001",
@@ -131,7 +133,7 @@ def test_a_critic_on_ranks_of_its_own_trains_beside_the_policy_and_resumes_exact
         assert s["critic/overlap_s"] > 0, s
     # the value model lives on rank 2 alone: its log shows its steps, the trainer's do not
     critic_log = (tmp_path / "rank2.log").read_text()
-    assert "critic[tp0 dp0]" in critic_log and "critic step 3: value loss" in critic_log
+    assert "critic[tp0 dp0]" in critic_log and "critic step 6: value loss" in critic_log  # 3 x 2
     assert "critic step" not in (tmp_path / "rank1.log").read_text()
     newest = {f.name for f in (ckpt / "step_000003").iterdir()}
     assert {"critic_tp0_pp0.pt", "trainer_tp0_pp0.pt"} <= newest

@@ -209,7 +209,6 @@ def ask_to_stop_after(ctx: RLContext, event: str, count: int = 1) -> threading.T
         while [n for n, _ in job.events].count(event) < count:
             time.sleep(0.01)
         (job.stop.stop_file).write_text("a test's request\n")
-        job.asked = time.perf_counter()
         while not job.finished.is_set():
             job.stop.poll(HashStore())
             time.sleep(0.1)
@@ -226,15 +225,16 @@ def stopping_run(ctx: RLContext, steps: int, off_policy: bool = False) -> JobSto
         with pytest.raises(JobStopped) as stopped:
             run_schedule(ctx, off_policy, steps)
     finally:
+        job.at_stop = [n for n, _ in job.events]  # what had happened when the run ended
         job.finished.set()
-    job.stop_seconds = time.perf_counter() - job.asked
     return stopped.value
 
 
 def slow_second_rollout(ctx: RLContext, seconds: dict[str, float]) -> RolloutBatch:
-    if ctx.job.rollouts == 1:  # the second call: a rollout (or reward) that takes a minute
-        ctx.job.record("slow-rollout-start")
-        time.sleep(60)
+    if ctx.job.rollouts == 1:  # the second call: a rollout (or reward) that takes a minute,
+        ctx.job.record("slow-rollout-start")  # or until the run is over
+        ctx.job.finished.wait(timeout=60)
+        ctx.job.record("slow-rollout-end")
     return fake_collect(ctx, seconds)
 
 
@@ -244,7 +244,7 @@ def test_a_stop_while_the_batch_is_made_abandons_the_step_at_once(tmp_path, nudg
     ask_to_stop_after(ctx, "slow-rollout-start")
     stopped = stopping_run(ctx, 5)
     assert stopped.step == 1 and stopped.reason == "a test's request"
-    assert ctx.job.stop_seconds < 5  # not the minute the rollout would take
+    assert "slow-rollout-end" not in ctx.job.at_stop  # the run ended while it still ran
     names = [n for n, _ in ctx.job.events]
     assert names.count("train-start") == 1  # step 2 was not trained ...
     assert names[-2:] == ["slow-rollout-start", "save"]  # ... step 1 was saved
@@ -273,6 +273,6 @@ def test_off_policy_a_stop_abandons_the_background_rollout_not_the_trained_step(
     nudgeable(ctx.job.stop)
     ask_to_stop_after(ctx, "train-end")  # step 1 trained; step 2's rollout takes a minute
     stopped = stopping_run(ctx, 5, off_policy=True)
-    assert stopped.step == 1 and ctx.job.stop_seconds < 5
+    assert stopped.step == 1 and "slow-rollout-end" not in ctx.job.at_stop
     assert [n for n, _ in ctx.job.events if n.startswith("sync")] == []
     assert ctx.checkpoints.newest()[0] == 1

@@ -2,7 +2,9 @@
 the built-in visual task, decoupled, three steps. The rollout engine gets each prompt's image,
 the trainer its patches; every sync sends the whole model (vision tower included) and the
 parity probe scores text and an image on both sides; the run's checkpoint exports as a
-directory transformers and SGLang load, with the weights the run exported live."""
+directory transformers and SGLang load, with the weights the run exported live. Its LoRA variant
+trains adapters on the language model alone: each sync sends the targeted weights merged (the
+tower never), and the checkpoint (adapters alone) exports merged as the run's own export."""
 
 from __future__ import annotations
 
@@ -74,7 +76,26 @@ def served_logprobs(model_dir: Path, log: Path) -> list[float]:
         assert not group_alive(pid)
 
 
-def test_a_vlm_trains_on_images_with_trainer_engine_parity_after_every_sync(tmp_path):
+TARGETED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def targeted_bytes(model_dir: Path) -> int:
+    """The bytes of the language model's weights LoRA targets (all of trainer.lora's default
+    targets), in float32: what each LoRA sync sends, merged."""
+    from relax_launch.trainer.hf_dir import read_weights
+
+    weights = read_weights(model_dir)
+    names = [n for n in weights if not n.startswith(("visual.", "model.visual."))]
+    names = [n for n in names if n.endswith(".weight") and n.split(".")[-2] in TARGETED]
+    return sum(4 * weights[n].numel() for n in names)
+
+
+# LoRA on the language model (rank 8, its lr raised: B starts at zero) against the whole model
+LORA = ("trainer.lora.rank=8", "trainer.lr=1.0e-2")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["whole-model", "lora"])
+def test_a_vlm_trains_on_images_with_trainer_engine_parity_after_every_sync(tmp_path, lora):
     import torch
     from safetensors.torch import load_file
 
@@ -82,7 +103,10 @@ def test_a_vlm_trains_on_images_with_trainer_engine_parity_after_every_sync(tmp_
     from relax_launch.models.build import ensure_model
 
     result = run_job(
-        f"logging.dir={tmp_path}", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=3"
+        f"logging.dir={tmp_path}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.every_steps=3",
+        *(LORA if lora else ()),
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -103,8 +127,16 @@ def test_a_vlm_trains_on_images_with_trainer_engine_parity_after_every_sync(tmp_
     assert all(s["grad_norm"] > 0 for s in steps)
     assert "finished 3 steps" in result.stdout
 
+    initial_dir = ensure_model("builtin:tiny-qwen2.5-vl")
+    if lora:  # each sync: the targeted weights merged, never the tower (nothing staged)
+        assert all(s["sync/bytes"] == targeted_bytes(initial_dir) for s in steps)
+        assert all(s["sync/staged_tensors"] == 0 for s in steps)
+        checkpoint = tmp_path / "ckpt" / "step_000003" / "trainer_tp0_pp0.pt"
+        shard = torch.load(checkpoint, weights_only=False)
+        assert sorted({k.rsplit(".", 1)[1] for k in shard["model"]}) == ["lora_a", "lora_b"]
+
     # `relax-launch export` of the checkpoint = the run's own export of its final policy
-    exported = export_checkpoint(tmp_path, tmp_path / "exported")
+    exported = export_checkpoint(tmp_path, tmp_path / "exported", merge_lora=lora)
     ours = load_file(str(exported / "model.safetensors"))
     theirs = load_file(str(next((tmp_path / "hf" / "step_000003").glob("*.safetensors"))))
     assert sorted(ours) == sorted(theirs) and any(k.startswith("visual.") for k in ours)
@@ -112,10 +144,29 @@ def test_a_vlm_trains_on_images_with_trainer_engine_parity_after_every_sync(tmp_
     # transformers and SGLang load it and agree; it is the trained model, not the initial one
     trained = torch.tensor(image_logprobs(exported))
     served = torch.tensor(served_logprobs(exported, tmp_path / "export-engine.log"))
-    initial = torch.tensor(image_logprobs(ensure_model("builtin:tiny-qwen2.5-vl")))
+    initial = torch.tensor(image_logprobs(initial_dir))
     print(
         f"exported: SGLang vs transformers {float((served - trained).abs().max()):.2e}, "
         f"trained vs initial {float((trained - initial).abs().max()):.2e}"
     )
     assert float((served - trained).abs().max()) <= 1e-4
     assert float((trained - initial).abs().max()) > 1e-4
+
+
+def test_a_vlm_trains_on_packed_micro_batches_with_parity_after_every_sync(tmp_path):
+    """``trainer.pack_sequences``: each step's eight samples (prompts with an image) end to
+    end in one row, each sequence's multimodal positions from 0 and its attention its own; the
+    policy trains, and the engines it syncs to score the probe as the trainer does."""
+    result = run_job(
+        f"logging.dir={tmp_path}",
+        "trainer.pack_sequences=true",
+        "trainer.micro_batch_size=8",
+        "algorithm.num_steps=2",
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    print([{k: s[k] for k in ("step", "sync/parity_gap_image", "grad_norm")} for s in steps])
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["sync/parity_gap"] <= FP32_PARITY and s["sync/parity_gap_image"] <= FP32_PARITY
+        assert s["grad_norm"] > 0 and s["samples_invalid"] == 0

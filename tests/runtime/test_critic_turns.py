@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from relax_launch.runtime.critic_turns import CriticTurns
+from relax_launch.runtime.trainer_client import moved_by_ranks
+from relax_launch.trainer.offload import move_parts
 
 
 class Moves:
@@ -79,3 +81,70 @@ def test_take_moved_counts_each_step_afresh(mode):
     turns.scoring()
     assert turns.take_moved()["critic_onloaded"] == 1e9
     assert turns.take_moved() == {}
+
+
+class Offloader:
+    """A rank's ``StateOffloader``: which parts are in host memory, and each part's bytes (an
+    empty part, e.g. Adam's state before the first step, has none but moves all the same)."""
+
+    def __init__(self, away=(), sizes=None) -> None:
+        self.away, self.sizes = set(away), sizes or {}
+
+    def resident(self, part):
+        return part not in self.away
+
+    def offload(self, parts):
+        moved = {p: 0 if p in self.away else self.sizes.get(p, 1) for p in parts}
+        self.away |= set(parts)
+        return moved
+
+    def onload(self, parts):
+        moved = {p: self.sizes.get(p, 1) if p in self.away else 0 for p in parts}
+        self.away -= set(parts)
+        return moved
+
+
+class Policy:
+    """Two trainer ranks behind a client: each rank replies as ``Trainer.offload`` does."""
+
+    def __init__(self, **offloader) -> None:
+        self.ranks = [Offloader(**offloader), Offloader(**offloader)]
+
+    def offload(self, parts):
+        return moved_by_ranks(
+            {i: move_parts(r, "offload", parts) for i, r in enumerate(self.ranks)}
+        )
+
+    def onload(self, parts):
+        return moved_by_ranks({i: move_parts(r, "onload", parts) for i, r in enumerate(self.ranks)})
+
+
+@pytest.mark.parametrize(
+    ("offloader", "left_away"),
+    [
+        ({}, set()),  # the usual: the policy whole on the device, whole again after
+        ({"sizes": {"optimizer": 0}}, set()),  # Adam's state not made yet: it comes back too
+        ({"away": ("grads",)}, {"grads"}),  # in host memory before: it stays there
+        ({"away": ("grads", "optimizer")}, {"grads", "optimizer"}),
+    ],
+)
+def test_a_swapped_checkpoint_brings_back_only_what_it_moved(offloader, left_away):
+    policy = Policy(**offloader)
+    turns = CriticTurns(policy, Moves("critic", []), "swap")
+    seen = []
+    assert (
+        turns.checkpoint(
+            lambda: seen.append({p for p in ALL if not policy.ranks[0].resident(p)}) or 7
+        )
+        == 7
+    )
+    assert seen == [{"grads", "optimizer"}]  # the critic's save or load ran with both away
+    assert all(rank.away == left_away for rank in policy.ranks)
+
+
+def test_a_swapped_checkpoint_brings_back_what_it_moved_after_a_failure():
+    policy = Policy(away=("grads",))
+    turns = CriticTurns(policy, Moves("critic", []), "swap")
+    with pytest.raises(RuntimeError, match="disk full"):
+        turns.checkpoint(lambda: (_ for _ in ()).throw(RuntimeError("disk full")))
+    assert all(rank.away == {"grads"} for rank in policy.ranks)

@@ -99,15 +99,18 @@ def test_a_cancel_answered_while_a_failed_start_is_undone_ends_cancelled(scaler,
         raise ConnectionError("health check refused")
 
     monkeypatch.setattr(scaling, "get_json", unhealthy)
-    answers, call = [], scaler._call
+    answers, call, requested = [], scaler._call, threading.Event()
 
     def call_then_cancel(command, ranks, timeout_s):
         if isinstance(command, StopEngine) and not answers:  # the undo under way
+            # the scale-out's thread may get here before request() has returned the operation
+            assert requested.wait(10), "request() did not return"
             answers.append(scaler.cancel("genrm", op.request_id).state)
         return call(command, ranks, timeout_s)
 
     scaler._call = call_then_cancel
     op = scaler.request("genrm", "scale_out", 2)
+    requested.set()
     doc = ended(scaler, op)
     assert answers == ["cancelling"]
     assert doc["state"] == "cancelled" and "health check refused" in doc["error"], doc

@@ -2,9 +2,10 @@
 
 argv: CASES_JSON. The file holds a list of cases, each ``{"name", "section": TrainerConfig
 fields, "model_dir", "layout": {tp, pp, dp, ep}, "sequences": per DP rank, "tokens": per
-sequence, "kl_coef", "steps"}``; every rank runs every case in order (all ranks of the world are
-trainer ranks); rank 0 prints one JSON line per rank ``{"rank": r, "runtime": {...}, "cases":
-{name: ...}}``.
+sequence, "kl_coef", "steps"}`` (a vision-language model's with ``"image_grid"``: each prompt
+opens with one image of that patch grid, [t, h, w]); every rank runs every case in order (all
+ranks of the world are trainer ranks); rank 0 prints one JSON line per rank ``{"rank": r,
+"runtime": {...}, "cases": {name: ...}}``.
 
 The measure is the bytes held by tensors: under ``torch.profiler`` with ``profile_memory`` every
 CPU allocation and free of the case (build, then ``steps`` train steps on a batch of the size the
@@ -37,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from relax_launch import platform
 from relax_launch.placement.plan import TrainerLayout
 from relax_launch.runtime.groups import build_trainer_groups
-from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.batch import RowImages, TokenBatch
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.losses import LossSpec
 
@@ -105,6 +106,24 @@ def batch(sequences: int, tokens: int, vocab: int, seed: int) -> TokenBatch:
     return TokenBatch(plain.tokens, plain.loss_mask, advantages, old)
 
 
+def with_images(plain: TokenBatch, grid: list[int], model_dir: Path, seed: int) -> TokenBatch:
+    """``plain`` with one random image of patch ``grid`` opening every prompt: its vision
+    markers around one image placeholder token per merged 2 x 2 patches."""
+    config = json.loads((model_dir / "config.json").read_text())
+    image_tokens = grid[0] * grid[1] * grid[2] // 4
+    markers = [config["vision_start_token_id"], config["image_token_id"]]
+    gen = torch.Generator().manual_seed(seed)
+    tokens, images = [], []
+    for row in plain.tokens:
+        opening = [markers[0]] + [markers[1]] * image_tokens + [config["vision_end_token_id"]]
+        tokens.append((*opening, *row[len(opening) :]))
+        pixels = torch.randn(4 * image_tokens, 3 * 2 * 14 * 14, generator=gen)
+        images.append(RowImages(pixels, torch.tensor([grid])))
+    return TokenBatch(
+        tuple(tokens), plain.loss_mask, plain.token_weights, plain.old_logprobs, None, tuple(images)
+    )
+
+
 class Groups:
     """One ProcessGroupCollection per layout, created in the same order on every rank."""
 
@@ -134,9 +153,12 @@ def run_case(case: dict, groups: Groups, profiled: bool) -> tuple[profile | None
 
     pgc, layout = groups.get(case["layout"])
     section = TrainerConfig.model_validate(case["section"])
-    vocab = json.loads((Path(case["model_dir"]) / "config.json").read_text())["vocab_size"]
+    config = json.loads((Path(case["model_dir"]) / "config.json").read_text())
+    vocab = (config.get("text_config") or config)["vocab_size"]  # a VLM's is its language model's
     dp_rank = layout.coordinates(dist.get_rank())[1]
     shard = batch(case["sequences"], case["tokens"], vocab, seed=dp_rank)
+    if "image_grid" in case:
+        shard = with_images(shard, case["image_grid"], Path(case["model_dir"]), seed=dp_rank)
     spec = LossSpec(kl_coef=case["kl_coef"])
     start = time.perf_counter()
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else None

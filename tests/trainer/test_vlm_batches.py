@@ -3,10 +3,13 @@ padded micro-batches carry each row's multimodal positions and, in row order, it
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from relax_launch.trainer import micro_batches
+from relax_launch.trainer import micro_batches, vlm_model
+from relax_launch.trainer.attention import _POSITIONS as _positions
 from relax_launch.trainer.batch import RowImages, TokenBatch
 from relax_launch.trainer.model_shape import ModelShape
 from relax_launch.trainer.vlm_batches import add_vision_inputs, vision_arguments
@@ -85,6 +88,8 @@ def test_padded_micro_batches_carry_multimodal_positions_and_images_in_row_order
     assert first["positions"][:, 1].tolist() == [[0, 1, 2, 3, 4, 5]] * 3
     assert torch.equal(vision_arguments(first)["pixel_values"], shard.images[0].pixel_values)
     assert vision_arguments(second)["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+    # one sequence a row: the attention's fast path, known on the CPU (no host sync a forward)
+    assert vision_arguments(first)["sequence_spans"] is None
 
 
 def test_a_text_micro_batch_passes_no_image_arguments():
@@ -154,3 +159,57 @@ def test_a_row_missing_image_placeholders_is_refused_on_the_cpu():
     (built,) = micro_batches.build(shard, [[0]], packed=False)
     with pytest.raises(ValueError, match="1 image placeholder tokens for 2 image features"):
         add_vision_inputs([built], shard, shape())
+
+
+def test_packed_micro_batches_restart_each_sequences_positions_and_keep_image_order():
+    shard = batch()
+    built = micro_batches.build(shard, [[2, 0, 1]], packed=True, multiple=4)
+    add_vision_inputs(built, shard, shape())
+    (packed,) = built
+    lengths = [len(shard.tokens[i]) - 1 for i in (2, 0, 1)]  # 5, 6, 2: 13 tokens, 3 of tail
+    assert packed["positions"].shape == (3, 1, 16)
+    start = 0
+    for i, length in zip((2, 0, 1), lengths, strict=True):
+        ours = mrope_positions(torch.tensor(shard.tokens[i][:-1]), _grids(shard, i), shape())
+        assert torch.equal(packed["positions"][:, 0, start : start + length], ours)
+        start += length
+    # the tail is one more sequence from 0; a sequence starts where all three positions are 0
+    assert packed["positions"][:, 0, 13:].tolist() == [[0, 1, 2]] * 3
+    starts = (packed["positions"] == 0).all(0)[0].nonzero()[:, 0].tolist()
+    assert starts == [0, 5, 11, 13]
+    # images in the row's order: row 2's two images, then row 0's
+    arguments = vision_arguments(packed)
+    assert arguments["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 2, 4]]
+    assert arguments["pixel_values"][:, 0].tolist() == [3.0] * 8 + [1.0] * 8
+    assert arguments["image_mask"][0].nonzero()[:, 0].tolist() == [1, 3, 7, 8]
+    # where each sequence spans, read on the CPU and given to the model's forward
+    assert arguments["sequence_spans"] == [[(0, 5), (5, 11), (11, 13), (13, 16)]]
+
+
+class Language:
+    """The language model's stand-in: it returns the positions the attention would read."""
+
+    def embedding(self, input_ids, position_ids):
+        return None
+
+    def __call__(self, *args, **kwargs):
+        return _positions.get()
+
+
+def test_the_forward_attends_by_the_given_spans_without_reading_its_positions(monkeypatch):
+    """The trainer's micro-batches give their spans: the forward reads nothing off the device
+    (``spans_of`` is the host read); other callers' spans are read from the positions."""
+    calls = []
+    monkeypatch.setattr(vlm_model, "spans_of", lambda ids: calls.append(ids) or [[(0, 2)]])
+    model = SimpleNamespace(language=Language())
+    ids, positions = torch.zeros(1, 4, dtype=torch.long), torch.zeros(3, 1, 4, dtype=torch.long)
+    spans = [[(0, 1), (1, 4)]]
+    seen = vlm_model.VisionLanguageModel.forward(model, ids, positions, sequence_spans=spans)
+    assert seen.sequences == spans and calls == []
+    assert vlm_model.VisionLanguageModel.forward(model, ids, positions).sequences == [[(0, 2)]]
+    assert len(calls) == 1
+
+
+def _grids(shard: TokenBatch, i: int) -> torch.Tensor:
+    images = shard.images[i]
+    return torch.zeros(0, 3, dtype=torch.long) if images is None else images.grids

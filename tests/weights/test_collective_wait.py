@@ -43,10 +43,10 @@ def test_wait_with_a_timeout_counts_from_the_enqueue_and_aborts_the_group(monkey
     group = one_rank_group(monkeypatch, broadcast_s=0.6)
     work = broadcast(group)
     time.sleep(0.3)
-    began = time.monotonic()
+    # 0.4 s from the enqueue, before the broadcast's 0.6 s: it expires (counted from the call,
+    # 0.7 s, it would outlast the broadcast and return)
     with pytest.raises(CommunicatorAborted, match="communicator was aborted"):
-        work.wait(timedelta(seconds=0.4))  # 0.4 s from the enqueue: 0.1 s from now
-    assert time.monotonic() - began < 0.25
+        work.wait(timedelta(seconds=0.4))
     assert work.is_completed()  # failed, as an aborted NCCL work
     with pytest.raises(CommunicatorAborted):
         broadcast(group)  # the group is gone for every later collective
@@ -55,13 +55,12 @@ def test_wait_with_a_timeout_counts_from_the_enqueue_and_aborts_the_group(monkey
 def test_a_slow_broadcast_is_not_done_until_its_time_and_is_completed_never_blocks(monkeypatch):
     group = one_rank_group(monkeypatch, broadcast_s=0.3)
     first, second = broadcast(group), broadcast(group)  # a stream: one after the other
-    began = time.monotonic()
+    # not done yet, and said so without waiting (a blocking check would return done)
     assert not first.is_completed() and not second.is_completed()
-    assert time.monotonic() - began < 0.05
     first.wait()  # no timeout: blocks until done, aborts nothing
-    assert not second.is_completed()
+    assert first.is_completed() and not second.is_completed()  # the second's time follows
     second.wait()
-    assert time.monotonic() - began >= 0.55
+    assert second.is_completed()
     broadcast(group).wait()
 
 
