@@ -20,7 +20,7 @@ from relax_launch.models.registry import is_vision_language
 from relax_launch.placement import PlacementPlan, check_runnable, plan, preflight
 from relax_launch.placement.memory_plan import MemoryPlan, memory_plan
 from relax_launch.placement.render import memory_table, summary, table, write_picture
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 from relax_launch.run_dir import STOP_FILE
 
 
@@ -37,7 +37,7 @@ def _load_and_plan(
     if require_models:  # about to start it
         check_runnable(job, placement)
         r, vision = job.rollout, is_vision_language(job.trainer.model)
-        check_inputs(job.data, job.reward, job.eval, r.function, r.environment, vision=vision)
+        read_inputs(job.data, job.reward, job.eval, r.function, r.environment, vision=vision)
     return job, placement, notes
 
 

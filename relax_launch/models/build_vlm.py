@@ -40,14 +40,15 @@ PIXELS = {"min_pixels": 28 * 28, "max_pixels": 112 * 112}
 VOCAB_SIZE = 384
 
 
-def tiny_vl_config(tokenizer: Any) -> Any:
+def tiny_vl_config(tokenizer: Any, *, text: dict | None = None, vision: dict | None = None) -> Any:
     """The tiny Qwen2.5-VL config: text hidden 64 (4 heads of 16, 2 KV heads), mrope sections
     [2, 3, 3] of the 8 rotary frequency pairs; vision hidden 32, 2 blocks, the second of full
-    attention (the first windowed), merged into the text hidden size."""
+    attention (the first windowed), merged into the text hidden size. ``text``/``vision``
+    replace its fields (a larger model with the same tokenizer and markers)."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in VISION_SPECIALS}
-    text = {
+    text_config = {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -64,8 +65,8 @@ def tiny_vl_config(tokenizer: Any) -> Any:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "tie_word_embeddings": True,
-    }
-    vision = {
+    } | (text or {})
+    vision_config = {
         "depth": 2,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -73,26 +74,29 @@ def tiny_vl_config(tokenizer: Any) -> Any:
         "out_hidden_size": 64,
         "window_size": 56,
         "fullatt_block_indexes": [1],
-    }
+    } | (vision or {})
     return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
+        text_config=text_config,
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=text_config["tie_word_embeddings"],
         torch_dtype="float32",
     )
 
 
-def build_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> None:
-    """Write the tiny random Qwen2.5-VL (weights, config, tokenizer, processor) to ``out``."""
+def build_tiny_qwen2_5_vl(
+    out: Path, seed: int = 0, *, text: dict | None = None, vision: dict | None = None
+) -> None:
+    """Write the tiny random Qwen2.5-VL (weights, config, tokenizer, processor) to ``out``;
+    ``text``/``vision`` replace fields of its config (``tiny_vl_config``)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tokenizer = tiny_vl_tokenizer()
-    config = tiny_vl_config(tokenizer)
+    config = tiny_vl_config(tokenizer, text=text, vision=vision)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
     with torch.no_grad():  # init leaves biases at 0 and norms at 1: a dropped one would not show

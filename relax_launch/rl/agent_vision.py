@@ -13,6 +13,7 @@ sequence as the engine did, and the sample is rejected (``agent/rejected``) nami
 
 from __future__ import annotations
 
+import functools
 from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +67,14 @@ class AgentVision:
     def __init__(self, processor: VisionProcessor) -> None:
         self.processor = processor
         self.start = processor.tokenizer.convert_tokens_to_ids(VISION_START)
+        # a prompt's n samples mostly show the same images: processed once, their rows shared
+        self._rows = functools.lru_cache(maxsize=8)(self._processed)
 
     def rows(self, urls: list[str]) -> RowImages:
         """The patches and grids of the images at ``urls`` (the engine's ``image_data``)."""
+        return self._rows(tuple(urls))
+
+    def _processed(self, urls: tuple[str, ...]) -> RowImages:
         from relax_launch.trainer.batch import RowImages  # torch
 
         images = [

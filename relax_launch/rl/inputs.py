@@ -29,21 +29,6 @@ class Inputs:
     eval_prompts: list[Prompt]
 
 
-def check_inputs(
-    data: DataConfig,
-    reward: RewardConfig,
-    evaluation: EvalConfig | None = None,
-    rollout_function: str | None = None,
-    environment: EnvironmentConfig | None = None,
-    *,
-    vision: bool = False,
-) -> list[Prompt]:
-    """``read_inputs``' training prompts."""
-    return read_inputs(
-        data, reward, evaluation, rollout_function, environment, vision=vision
-    ).prompts
-
-
 def read_inputs(
     data: DataConfig,
     reward: RewardConfig,

@@ -196,11 +196,16 @@ class CriticClient(TrainerClient):
         return posted, self.shards.start(joined)
 
     def finish_training(self, started: tuple[Posted, Transfer]) -> list[dict[str, float]]:
-        """Each started step's metrics (with ``STEP_SECONDS``), in order. A failed step still
-        waits for the shards' sends (their buffers stay alive until then), then raises."""
+        """Each started step's metrics (with ``STEP_SECONDS``), in order, waited for as long as
+        one step's bound times the steps. A failed step still waits for the shards' sends
+        (their buffers stay alive until then), then raises."""
         posted, transfer = started
+        # one command runs every mini-batch's step: the bound is one step's, as many times
+        timeout_s = self.channel.timeout_s * posted.command.steps
         try:
-            replies = self.channel.collect(posted, self.local.get(posted.command.route))
+            replies = self.channel.collect(
+                posted, self.local.get(posted.command.route), timeout_s=timeout_s
+            )
         except BaseException:  # the sends end before the job's shutdown; the step's error wins
             with contextlib.suppress(Exception):
                 self.shards.finish(transfer)
@@ -239,8 +244,7 @@ def split_steps(joined: TokenBatch, steps: int) -> list[TokenBatch]:
             f"a critic rank's joined shard of {len(joined)} rows does not split into {steps} "
             "equal steps: the batches of one CriticTrainSteps must be the same size"
         )
-    size = len(joined) // steps
-    return [joined.select(range(k * size, (k + 1) * size)) for k in range(steps)]
+    return joined.shards(steps)
 
 
 def _joined(parts: list[TokenBatch]) -> TokenBatch:

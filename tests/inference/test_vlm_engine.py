@@ -5,6 +5,8 @@ the trainer builds (image placeholders included) and whose prompt logprobs are t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import requests
 import torch
@@ -33,6 +35,22 @@ def transformers_logprobs(model_dir, prompt) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
 
 
+def tiny_vlm_server(model: Path, log_path: Path) -> SGLangServer:
+    """The tiny Qwen2.5-VL on SGLang's CPU engine: fp32, seeded, the PIL image processor (the
+    trainer's)."""
+    return SGLangServer(
+        model_path=model,
+        device="cpu",
+        log_path=log_path,
+        engine={
+            "max_total_tokens": 2048,
+            "dtype": "float32",
+            "random_seed": 0,
+            "image_processor_backend": "pil",
+        },
+    )
+
+
 def test_the_cpu_engine_serves_qwen2_5_vl_with_the_trainers_tokens(tmp_path):
     model = ensure_model("builtin:tiny-qwen2.5-vl")
     image = draw_shapes({0: ("red", "circle"), 4: ("blue", "square"), 8: ("red", "circle")})
@@ -51,17 +69,7 @@ def test_the_cpu_engine_serves_qwen2_5_vl_with_the_trainers_tokens(tmp_path):
     text = processor.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    server = SGLangServer(
-        model_path=model,
-        device="cpu",
-        log_path=tmp_path / "engine.log",
-        engine={
-            "max_total_tokens": 2048,
-            "dtype": "float32",
-            "random_seed": 0,
-            "image_processor_backend": "pil",
-        },
-    )
+    server = tiny_vlm_server(model, tmp_path / "engine.log")
     server.start(timeout_s=300)
     try:
         chat = requests.post(

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import make_manager, serve
+from test_vlm_engine import tiny_vlm_server
 
 from relax_launch.inference.client import InferenceError
 from relax_launch.inference.image_config import ImageLimits
@@ -32,20 +33,9 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def vlm_engine(tmp_path_factory) -> Iterator[tuple[Path, SGLangServer]]:
-    """The tiny Qwen2.5-VL on SGLang's CPU engine, started as tests/inference/test_vlm_engine.py
-    starts it."""
+    """The tiny Qwen2.5-VL on SGLang's CPU engine (``tiny_vlm_server``)."""
     model = ensure_model("builtin:tiny-qwen2.5-vl")
-    server = SGLangServer(
-        model_path=model,
-        device="cpu",
-        log_path=tmp_path_factory.mktemp("vlm") / "engine.log",
-        engine={
-            "max_total_tokens": 2048,
-            "dtype": "float32",
-            "random_seed": 0,
-            "image_processor_backend": "pil",
-        },
-    )
+    server = tiny_vlm_server(model, tmp_path_factory.mktemp("vlm") / "engine.log")
     server.start(timeout_s=300)
     try:
         yield model, server

@@ -318,6 +318,22 @@ CASES = {
         [VLM, PIL, "trainer.lora.rank=4", "trainer.freeze_vision=false"],
         ["trainer.freeze_vision=false with trainer.lora", "keeps the vision tower as loaded"],
     ),
+    "context parallelism on a vision-language policy": (
+        [VLM, PIL, "trainer.cp_size=2"],
+        ["trainer.cp_size > 1 is not built for a vision-language"],
+    ),
+    "prefill/decode engines on a vision-language policy": (
+        [VLM, PIL, "rollout.ranks=1", "rollout.prefill.ranks=1"],
+        ["rollout.prefill (prefill/decode disaggregation) is not built for a vision-language"],
+    ),
+    "a critic on a vision-language policy": (
+        [VLM, PIL, "algorithm.advantage_estimator=gae", "critic.lr=1e-5"],
+        ["a critic section is not built for a vision-language"],
+    ),
+    "an environment module on a vision-language policy": (
+        [VLM, PIL, "rollout.environment.module=tiny_env_tool"],
+        ["rollout.environment is not built for a vision-language"],
+    ),
     "one row per agentic turn on a vision-language policy": (
         [VLM, PIL, "rollout.function=builtin:calculator", "rollout.multi_turn=per_turn"],
         ["rollout.multi_turn=per_turn is not built for a vision-language", "continue_tokens"],

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from relax_launch.rl.agent_vision import AgentVision, image_runs_problem
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.batch import sample_metrics, to_batch
 from relax_launch.rl.vision_prompts import VisionEncoder, image_bytes, open_image, text_of
-from relax_launch.rl.visual_tasks import shape_counting
+from relax_launch.rl.visual_tasks import data_url, draw_shapes, shape_counting
 from relax_launch.trainer.vlm_batches import image_tokens
 from relax_launch.trainer.vlm_conversion import VLShape
 from relax_launch.trainer.vlm_model import mrope_positions
@@ -227,3 +228,21 @@ def test_a_reply_showing_media_rejects_the_conversation_before_a_turn_with_image
     sample = to_sample(0, (prompt, ids), client, conversation, outcome)
     assert outcome == "rejected" and not sample.valid
     assert sample_metrics([sample], 1.0)["agent/rejected"] == 1
+
+
+def test_a_prompts_samples_with_the_same_images_run_the_processor_once(encoder):
+    """A prompt's n samples mostly show the same images: the trainer's processor runs once for
+    them and they share its rows; other images are processed on their own."""
+    vision, calls = AgentVision(encoder.processor), []
+    images = encoder.processor.images
+
+    def counted(**kwargs):
+        calls.append(len(kwargs["images"]))
+        return images(**kwargs)
+
+    vision.processor = SimpleNamespace(images=counted)
+    one = data_url(draw_shapes({0: ("red", "circle")}))
+    other = data_url(draw_shapes({4: ("blue", "square"), 8: ("green", "triangle")}))
+    first, second = vision.rows([one]), vision.rows([one])
+    assert first is second and calls == [1]
+    assert vision.rows([one, other]).grids.shape[0] == 2 and calls == [1, 2]

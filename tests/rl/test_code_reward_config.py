@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from relax_launch.config import ConfigError
 from relax_launch.rl.config import RewardConfig
 from relax_launch.rl.data_config import DataConfig
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 
 UID = 62000 + 100 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
 SOURCE = {"name": "code", "function": "builtin:code_tests"}
@@ -55,19 +55,19 @@ def test_rows_without_tests_and_shared_uids_are_refused_before_any_process_start
     rows.write_text(json.dumps({"prompt": "p", "tests": ["assert True"]}) + "\n")
     rows.write_text(rows.read_text() + json.dumps({"prompt": "q"}) + "\n")
     with pytest.raises(ConfigError, match=r"reward.sources\[0\].function: .* row 1 needs"):
-        check_inputs(DataConfig(dataset=str(rows)), reward())
+        read_inputs(DataConfig(dataset=str(rows)), reward())
     two = RewardConfig(
         sources=[{**SOURCE, "code": {"uid": UID}}, {**SOURCE, "name": "b", "code": {"uid": UID}}]
     )
     with pytest.raises(ConfigError, match=r"reward.sources\[1\].code.uid: uid \d+ is also"):
-        check_inputs(DataConfig(dataset="builtin:code"), two)
+        read_inputs(DataConfig(dataset="builtin:code"), two)
 
 
 @pytest.mark.parametrize("code", [{}, {"code_pattern": "()"}], ids=["default", "own-pattern"])
 def test_the_builtin_code_dataset_passes_the_checks(code):
     """The trial sandbox runs with the source's limits but its own program, whatever the
     source's code_pattern."""
-    prompts = check_inputs(DataConfig(dataset="builtin:code"), reward(**code))
+    prompts = read_inputs(DataConfig(dataset="builtin:code"), reward(**code)).prompts
     assert len(prompts) == 1000 and all(len(p.meta["tests"]) == 3 for p in prompts)
 
 
@@ -75,10 +75,10 @@ CHECK = f"""
 from relax_launch.config import ConfigError
 from relax_launch.rl.config import RewardConfig
 from relax_launch.rl.data_config import DataConfig
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 reward = RewardConfig(sources=[{{**{SOURCE!r}, "code": {{"uid": {UID}}}}}])
 try:
-    check_inputs(DataConfig(dataset="builtin:code"), reward)
+    read_inputs(DataConfig(dataset="builtin:code"), reward)
 except ConfigError as exc:
     print(exc)
 """
@@ -111,4 +111,4 @@ def test_a_machine_without_the_sandbox_refuses_the_source(setpriv, cause):
 def test_a_user_that_is_not_root_is_refused(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match="is refused: the code sandbox needs root"):
-        check_inputs(DataConfig(dataset="builtin:code"), reward())
+        read_inputs(DataConfig(dataset="builtin:code"), reward())

@@ -18,7 +18,7 @@ from relax_launch.config import ConfigError
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.data import load_prompts
 from relax_launch.rl.data_config import DataConfig
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 
 ROWS = [
     {"question": "What is 2 + 3?", "answer": 5, "data_source": "math"},
@@ -107,15 +107,15 @@ def test_settings_the_data_would_not_use_are_refused(fields, message):
         DataConfig(**fields)
 
 
-def test_check_inputs_names_the_reward_function_that_does_not_import(tmp_path):
+def test_read_inputs_names_the_reward_function_that_does_not_import(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "hi"}\n')
     data = DataConfig(dataset=str(path))
     rewards = RewardConfig(sources=(RewardSource(name="a", function="builtin:exact_numeric"),))
-    assert len(check_inputs(data, rewards)) == 1
+    assert len(read_inputs(data, rewards).prompts) == 1
     broken = RewardConfig(sources=(RewardSource(name="a", function="no_such_module:score"),))
     with pytest.raises(ConfigError, match=r"reward.sources\[0\].function: .*no_such_module"):
-        check_inputs(data, broken)
+        read_inputs(data, broken)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from relax_launch.rl.data_config import DataConfig
 from relax_launch.rl.environment_config import EnvironmentConfig
 from relax_launch.rl.environment_dataset import ROW
 from relax_launch.rl.environments import EnvironmentRollout, WorkerGone
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 from relax_launch.rl.rewards import Rewards
 
 HERE = Path(__file__).parent
@@ -62,11 +62,11 @@ def row_prompt(row: int, system: str | None = None) -> Prompt:
 
 
 def test_the_environments_dataset_is_the_prompts():
-    prompts = check_inputs(
+    prompts = read_inputs(
         DataConfig(),
         RUBRIC,
         environment=EnvironmentConfig(module="tiny_env_tool", args={"size": 3}),
-    )
+    ).prompts
     assert [p.index for p in prompts] == [0, 1, 2]
     assert prompts[0].messages[0]["role"] == "system" and prompts[0].data_source == "add"
     question = prompts[0].messages[1]["content"]
@@ -85,7 +85,7 @@ def test_the_environments_dataset_is_the_prompts():
 )
 def test_an_environment_that_cannot_load_is_refused_naming_the_field(config, field, message):
     with pytest.raises(ConfigError, match=message) as refused:
-        check_inputs(DataConfig(), RUBRIC, environment=EnvironmentConfig(**config))
+        read_inputs(DataConfig(), RUBRIC, environment=EnvironmentConfig(**config))
     assert refused.value.fields == (f"rollout.environment.{field}",)
     assert str(refused.value).startswith(f"rollout.environment.{field}: ")
 

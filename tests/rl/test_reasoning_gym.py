@@ -14,7 +14,7 @@ from relax_launch.rl.config import RewardConfig
 from relax_launch.rl.data import PromptStream, load_prompts
 from relax_launch.rl.data_config import DataConfig, EvalConfig
 from relax_launch.rl.evaluation import Evaluation
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 from relax_launch.rl.rewards import Rewards
 from relax_launch.rl.samples import Sample
 
@@ -77,10 +77,10 @@ def test_the_stream_resumes_at_its_cursor():
     ],
 )
 def test_unknown_tasks_and_bad_task_configs_are_refused_before_any_process(fields, message):
-    """Checked against the library by check_inputs (the config layer does not import it)."""
+    """Checked against the library by read_inputs (the config layer does not import it)."""
     data = DataConfig(**fields)
     with pytest.raises(ConfigError, match=message) as refused:
-        check_inputs(data, RewardConfig(sources=[{"name": "f", "function": "builtin:format"}]))
+        read_inputs(data, RewardConfig(sources=[{"name": "f", "function": "builtin:format"}]))
     assert refused.value.fields == ("data.dataset",)
 
 
@@ -166,14 +166,14 @@ def test_evaluation_reports_pass_at_k_per_task(rewards):
     assert out["eval/reward/task/timeouts"] == 0
 
 
-def test_check_inputs_refuses_the_reasoning_gym_reward_on_other_data():
+def test_read_inputs_refuses_the_reasoning_gym_reward_on_other_data():
     reward = RewardConfig(sources=[{"name": "task", "function": "builtin:reasoning_gym"}])
     with pytest.raises(ConfigError, match=r"\bdata.dataset is builtin:arithmetic"):
-        check_inputs(DataConfig(dataset="builtin:arithmetic"), reward)
+        read_inputs(DataConfig(dataset="builtin:arithmetic"), reward)
     plain_eval = EvalConfig(data={"dataset": "builtin:arithmetic"})
     with pytest.raises(ConfigError, match="eval.data.dataset is builtin:arithmetic"):
-        check_inputs(two_tasks(), reward, plain_eval)
-    assert len(check_inputs(two_tasks(), reward)) == 10
+        read_inputs(two_tasks(), reward, plain_eval)
+    assert len(read_inputs(two_tasks(), reward).prompts) == 10
 
 
 def test_evaluating_on_the_training_seed_is_refused():
@@ -225,7 +225,7 @@ def test_an_eval_set_the_training_asks_entirely_is_refused_before_the_start():
     )
     reward = RewardConfig(sources=[{"name": "task", "function": "builtin:reasoning_gym"}])
     with pytest.raises(ConfigError, match="every prompt is also a training prompt"):
-        check_inputs(data, reward, config)
+        read_inputs(data, reward, config)
     # the evaluation leaves out the questions of the training prompts it is given (the run's,
     # read once), not of the training set generated again
     data = data.model_copy(update={"max_prompt_tokens": 512})

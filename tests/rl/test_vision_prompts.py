@@ -19,7 +19,7 @@ from relax_launch.rl.batch import to_batch
 from relax_launch.rl.config import RewardConfig, RewardSource
 from relax_launch.rl.data import load_prompts
 from relax_launch.rl.data_config import DataConfig, EvalConfig
-from relax_launch.rl.inputs import check_inputs
+from relax_launch.rl.inputs import read_inputs
 from relax_launch.rl.prompt import Prompt
 from relax_launch.rl.rollout import prompt_inputs, reply_sample
 from relax_launch.rl.samples import Sample
@@ -74,14 +74,14 @@ def test_an_unreadable_image_is_refused_before_the_job_naming_row_and_part(tmp_p
         path = tmp_path / "rows.parquet"
         pq.write_table(pa.Table.from_pylist([{"messages": chat(part), "label": "1"}]), path)
     with pytest.raises(ConfigError, match=rf"row \d messages\[0\]\.content\[0\]: {message}"):
-        check_inputs(DataConfig(dataset=str(path)), REWARD, vision=True)
+        read_inputs(DataConfig(dataset=str(path)), REWARD, vision=True)
 
 
 def test_parquet_rows_with_image_bytes_are_read(tmp_path):
     path = tmp_path / "rows.parquet"
     rows = [{"messages": chat({"type": "image", "image": png("blue")}), "label": "3"}] * 2
     pq.write_table(pa.Table.from_pylist(rows), path)
-    prompts = check_inputs(DataConfig(dataset=str(path)), REWARD, vision=True)
+    prompts = read_inputs(DataConfig(dataset=str(path)), REWARD, vision=True).prompts
     assert len(prompts) == 2 and prompts[0].label == "3"
     (image,) = prompt_images(prompts[0])
     assert image.getpixel((0, 0)) == (0, 0, 255)
@@ -92,7 +92,7 @@ def test_a_text_policy_refuses_rows_with_images(tmp_path):
     url = "data:image/png;base64," + base64.b64encode(png()).decode()
     path.write_text(json.dumps({"messages": chat({"type": "image_url", "image_url": url})}) + "\n")
     with pytest.raises(ConfigError, match="row 0 has image parts, and trainer.model is not"):
-        check_inputs(DataConfig(dataset=str(path)), REWARD)
+        read_inputs(DataConfig(dataset=str(path)), REWARD)
 
 
 def test_eval_rows_with_images_are_checked_as_the_training_rows(tmp_path):
@@ -102,11 +102,11 @@ def test_eval_rows_with_images_are_checked_as_the_training_rows(tmp_path):
     text.write_text(json.dumps({"prompt": "What is 1 + 1?", "label": "2"}) + "\n")
     evaluation = EvalConfig(data={"dataset": str(path)})
     with pytest.raises(ConfigError, match="eval.data.dataset: row 0 has image parts"):
-        check_inputs(DataConfig(dataset=str(text)), REWARD, evaluation)
+        read_inputs(DataConfig(dataset=str(text)), REWARD, evaluation)
     missing = chat({"type": "image", "image": str(tmp_path / "none.png")})
     path.write_text(json.dumps({"messages": missing}) + "\n")
     with pytest.raises(ConfigError, match="eval.data.dataset: row 0 .* does not exist"):
-        check_inputs(DataConfig(dataset=str(text)), REWARD, evaluation, vision=True)
+        read_inputs(DataConfig(dataset=str(text)), REWARD, evaluation, vision=True)
 
 
 def test_arrow_merged_part_fields_are_dropped_and_text_parts_read_as_text(tmp_path):
@@ -120,7 +120,7 @@ def test_arrow_merged_part_fields_are_dropped_and_text_parts_read_as_text(tmp_pa
         {"messages": texts, "images": "not images"},
     ]
     pq.write_table(pa.Table.from_pylist(rows), path)
-    imaged, text = check_inputs(DataConfig(dataset=str(path)), REWARD, vision=True)
+    imaged, text = read_inputs(DataConfig(dataset=str(path)), REWARD, vision=True).prompts
     image_part, text_part = imaged.messages[0]["content"]
     assert set(image_part) == {"type", "image"} and set(text_part) == {"type", "text"}
     assert text.messages[0]["content"] == "Hi"  # a string: a text template prints it as text
@@ -129,7 +129,7 @@ def test_arrow_merged_part_fields_are_dropped_and_text_parts_read_as_text(tmp_pa
 
 def test_the_built_in_visual_task_is_a_dataset_with_checkable_labels():
     data = DataConfig(dataset="builtin:shape_counting", seed=5)
-    prompts = check_inputs(data, REWARD, vision=True)
+    prompts = read_inputs(data, REWARD, vision=True).prompts
     assert len(prompts) == 1000 and all(p.label.isdigit() for p in prompts)
     assert [where for where, _ in image_parts(prompts[0].messages)] == ["messages[0].content[0]"]
     assert text_of(prompts[0].messages[0]["content"]).startswith("How many")
@@ -187,9 +187,9 @@ def test_an_hf_datasets_image_column_fills_the_rows_image_parts(tmp_path):
     ]
     rows = [{"messages": messages, "images": [{"bytes": png("green"), "path": None}], "label": "g"}]
     directory = save_to_disk(tmp_path / "ds", rows)
-    (prompt,) = check_inputs(DataConfig(dataset=str(directory)), REWARD, vision=True)
+    (prompt,) = read_inputs(DataConfig(dataset=str(directory)), REWARD, vision=True).prompts
     (image,) = prompt_images(prompt)
     assert image.getpixel((0, 0)) == (0, 128, 0)
     extra = [{**rows[0], "images": rows[0]["images"] * 2}]
     with pytest.raises(ConfigError, match="2 images for 1 image parts"):
-        check_inputs(DataConfig(dataset=str(save_to_disk(tmp_path / "x", extra))), REWARD)
+        read_inputs(DataConfig(dataset=str(save_to_disk(tmp_path / "x", extra))), REWARD)

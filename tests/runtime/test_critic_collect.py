@@ -30,7 +30,7 @@ def client_recording(dp_size: int) -> tuple[CriticClient, list, list]:
         posts.append(command)
         return Posted(len(posts), command, tuple(ranks))
 
-    client.channel = SimpleNamespace(post=post)
+    client.channel = SimpleNamespace(post=post, timeout_s=600.0)
     client.shards = SimpleNamespace(start=lambda shards: transfers.append(shards) or shards)
     return client, posts, transfers
 
@@ -78,7 +78,7 @@ def test_a_failed_critic_step_still_waits_for_its_sends(finish_fails: bool) -> N
     client, _, _ = client_recording(dp_size=2)
     client.local, finished = {}, []
 
-    def collect(posted, local):
+    def collect(posted, local, timeout_s):
         raise Failed("critic.train_steps failed on rank 2")
 
     def finish(transfer):
@@ -92,3 +92,20 @@ def test_a_failed_critic_step_still_waits_for_its_sends(finish_fails: bool) -> N
     with pytest.raises(Failed, match="rank 2"):  # the step's error, not the send's
         client.finish_training(started)
     assert finished == [started[1]]
+
+
+def test_the_critics_steps_are_waited_for_one_steps_bound_each() -> None:
+    """One command runs ``critic.mini_batches`` optimizer steps: the collect's bound is one
+    step's (the control channel's) times the steps, not one step's for all of them."""
+    client, _, _ = client_recording(dp_size=1)
+    client.local, bounds = {}, []
+
+    def collect(posted, local, timeout_s):
+        bounds.append(timeout_s)
+        return {2: [{"critic/value_loss": 0.1}] * posted.command.steps}
+
+    client.channel.collect = collect
+    client.shards.finish = lambda transfer: None
+    client._last_stage_rank = lambda: 2
+    client.finish_training(client.start_training([batch_of(4)] * 3, value_clip=None))
+    assert bounds == [1800.0]

@@ -41,18 +41,10 @@ CASES = {
 
 
 def build_vlm(out: Path) -> Path:
-    """A random Qwen2.5-VL of ~50M parameters with the tiny model's tokenizer and processor."""
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """A random Qwen2.5-VL of ~50M parameters: the tiny model's builder, tokenizer and processor
+    with larger sizes."""
+    from relax_launch.models.build_vlm import build_tiny_qwen2_5_vl
 
-    from relax_launch.models.build_vlm import (
-        VISION_SPECIALS,
-        save_processor_config,
-        tiny_vl_tokenizer,
-    )
-
-    tokenizer = tiny_vl_tokenizer()
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in VISION_SPECIALS}
     text = {
         "vocab_size": 8192,
         "hidden_size": 512,
@@ -73,20 +65,7 @@ def build_vlm(out: Path) -> Path:
         "window_size": 112,
         "fullatt_block_indexes": [3, 7],
     }
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    save_processor_config(out)
+    build_tiny_qwen2_5_vl(out, text=text, vision=vision)
     return out
 
 

@@ -20,13 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from vlm_parity_worker import prompts, transformers_logprobs
+from vlm_parity_worker import prompts, tp_world_groups, transformers_logprobs
 from vlm_trainer_worker import batch_of
 
-from relax_launch import platform
 from relax_launch.models.vlm_processor import VisionProcessor
-from relax_launch.placement.plan import TrainerLayout
-from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.trainer.config import LoraConfig, TrainerConfig
 from relax_launch.trainer.hf_dir import finish, read_weights
 from relax_launch.trainer.lora import COLUMN, PEFT_PREFIX, SPLIT, is_adapter, peft_tensors
@@ -109,13 +106,7 @@ def exports(trainer: Trainer, model_dir: Path, trained: list) -> dict:
 
 
 def main() -> None:
-    dist.init_process_group(platform.dist_backend("cpu"))
-    world = dist.get_world_size()
-    layout = TrainerLayout(
-        ranks=tuple(range(world)), tp_size=world, pp_size=1, dp_size=1, phase="train"
-    )
-    pgc = build_trainer_groups(layout, platform.dist_backend("cpu"))
-    platform.prepare_megatron("cpu")
+    pgc = tp_world_groups()
     model_dir, scratch = Path(sys.argv[1]), Path(sys.argv[2])
     trainer = lora_trainer(model_dir, pgc)
     processor = VisionProcessor(str(model_dir))

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from vlm_parity_worker import prompts, transformers_logprobs
+from vlm_parity_worker import prompts, tp_world_groups, transformers_logprobs
 from vlm_trainer_worker import batch_of
 
-from relax_launch import platform
 from relax_launch.models.vlm_processor import VisionProcessor
-from relax_launch.placement.plan import TrainerLayout
-from relax_launch.runtime.groups import build_trainer_groups
 from relax_launch.trainer.config import TrainerConfig
 from relax_launch.trainer.losses import LossSpec
 from relax_launch.trainer.trainer import Trainer
@@ -48,13 +45,8 @@ def computed_tokens(ours: Trainer, batch) -> int:
 
 
 def main() -> None:
-    dist.init_process_group(platform.dist_backend("cpu"))
-    world = dist.get_world_size()
-    layout = TrainerLayout(
-        ranks=tuple(range(world)), tp_size=world, pp_size=1, dp_size=1, phase="train"
-    )
-    pgc = build_trainer_groups(layout, platform.dist_backend("cpu"))
-    platform.prepare_megatron("cpu")
+    pgc = tp_world_groups()
+    world = pgc.tp.size()
     model_dir = sys.argv[1]
     processor = VisionProcessor(model_dir)
     rows = prompts(processor)

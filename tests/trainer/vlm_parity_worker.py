@@ -165,7 +165,9 @@ def round_trip(module, model_dir: str, pgc) -> tuple[int, int]:
     return len(bad), len(names)
 
 
-def main() -> None:
+def tp_world_groups():
+    """Join the process group and build the trainer's groups with every rank in one TP group
+    (TP = the world size), Megatron prepared for the CPU: the VLM workers' common start."""
     dist.init_process_group(platform.dist_backend("cpu"))
     world = dist.get_world_size()
     layout = TrainerLayout(
@@ -173,6 +175,12 @@ def main() -> None:
     )
     pgc = build_trainer_groups(layout, platform.dist_backend("cpu"))
     platform.prepare_megatron("cpu")
+    return pgc
+
+
+def main() -> None:
+    pgc = tp_world_groups()
+    world = pgc.tp.size()
     from relax_launch.trainer.vlm_model import build_vlm_module, load_vlm_checkpoint, read_vl_shape
 
     model_dir = sys.argv[1]
