@@ -177,7 +177,8 @@ def pool_observer(policy: PoolPolicy, most: dict[str, int]):
             for s in scaler.roles.values()
         )
         for move in policy.decide(PoolView(scaler.now, scaler.free(""), roles, waiting)):
-            scaler.request(move.role, move.direction, move.target, move.reason, move.evidence)
+            if scaler.request(move.role, move.direction, move.target, move.reason, move.evidence):
+                policy.accepted(move, scaler.now)
 
     return observe
 

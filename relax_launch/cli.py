@@ -37,7 +37,10 @@ def _load_and_plan(
     if require_models:  # about to start it
         check_runnable(job, placement)
         r, vision = job.rollout, is_vision_language(job.trainer.model)
-        read_inputs(job.data, job.reward, job.eval, r.function, r.environment, vision=vision)
+        # images: headers here; rank 0 decodes each once before any engine or trainer starts
+        read_inputs(
+            job.data, job.reward, job.eval, r.function, r.environment, vision=vision, decode=False
+        )
     return job, placement, notes
 
 

@@ -11,7 +11,7 @@ from relax_launch.config.section import Section
 
 
 class ImageLimits(Section):
-    """Images the gateway and the in-process client accept (vision-language models only)."""
+    """Images external callers and user code (an agentic tool) may send; not the dataset's."""
 
     allowed_dirs: tuple[str, ...] = Field(
         (),
@@ -25,7 +25,12 @@ class ImageLimits(Section):
         description="Largest image file, bytes (decoded); gateway.max_body_bytes bounds the "
         "request (base64 is 4/3 of the bytes).",
     )
-    max_images: int = Field(8, ge=1, description="Most images in one request.")
+    max_images: int = Field(
+        8,
+        ge=1,
+        description="Most images in one request. An agentic turn with images a tool made counts "
+        "all its images, the prompt's too (so only a tool's can take it past this).",
+    )
     max_pixels: int = Field(4096 * 4096, ge=1, description="Largest image, width x height pixels.")
 
     @field_validator("allowed_dirs")

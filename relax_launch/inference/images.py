@@ -4,8 +4,12 @@ An image reaches an engine only as a ``data:`` URL of a PNG, JPEG, WebP or GIF t
 decodes within the limits: an OpenAI chat ``image_url`` content part, or an item of SGLang's
 ``image_data`` on ``/generate``. A local file (``file://`` URL or absolute path) is read here,
 only under ``allowed_dirs``, and sent as data, so an engine never opens a path or fetches a URL
-a client names. Remote URLs are refused. The gateway and the controller's in-process client
-apply the same ``ImagePolicy``.
+a client names. Remote URLs are refused. That is the gateway's ``ImagePolicy``, for external
+callers. The controller's own images (the prompts', read before the job started,
+``rl/inputs.py``) go as they are, so a job never fails mid-run on a limit its data passed: its
+in-process client refuses only what no engine can take (``controller_images_problem``). Images
+user code makes at run time (a rollout function's tool) are held to the policy by the agent
+client before it sends them (``ImagePolicy.checked_user_images``, ``rl/agent_images.py``).
 """
 
 from __future__ import annotations
@@ -114,6 +118,25 @@ def text_placeholders_problem(text: str, images: list[str]) -> None:
         )
 
 
+def not_vision_message(model: str) -> str:
+    return (
+        f"model {model!r} is not a vision-language model: it takes no images "
+        "(image_url content parts, image_data); send text, or choose a VLM"
+    )
+
+
+def controller_images_problem(payload: dict[str, Any], model: str, image_token: int | None) -> None:
+    """Refuse what no engine takes of the controller's ``payload``, whose images go as they are
+    (its own were read before start, user code's checked by ``checked_user_images``): images for
+    a model that takes none, ``input_ids`` not showing each image by one placeholder."""
+    if not has_images(payload):
+        return
+    if image_token is None:
+        raise ImageRefused(not_vision_message(model))
+    if payload.get("image_data") is not None:
+        placeholders_problem(payload, image_token)
+
+
 class ImagePolicy:
     """``limits`` applied to one request's images; each method raises ``ImageRefused``."""
 
@@ -136,10 +159,7 @@ class ImagePolicy:
                 "name; images go as image_data or image_url content parts"
             )
         if image_token is None:
-            raise ImageRefused(
-                f"model {model!r} is not a vision-language model: it takes no images "
-                "(image_url content parts, image_data); send text, or choose a VLM"
-            )
+            raise ImageRefused(not_vision_message(model))
         counted = [0]
         payload = dict(payload)
         if payload.get("messages") is not None:
@@ -148,6 +168,29 @@ class ImagePolicy:
             payload["image_data"] = self._image_data(payload["image_data"], counted)
             placeholders_problem(payload, image_token)
         return payload
+
+    def checked_user_images(self, images: list[Any], made: dict[int, str]) -> list[Any]:
+        """``images`` (one request's ``image_data``) with each one user code made (``made``:
+        its index -> where it is) checked as ``checked`` checks an external caller's, the refusal
+        naming where. ``max_images`` counts every image of the request, the controller's own
+        too, so only user code's can take a request past it."""
+        held = "images user code makes are held to gateway.images"
+        if made and len(images) > self.limits.max_images:
+            raise ImageRefused(
+                f"a rollout function's conversation carries {len(images)} images, more than "
+                f"{self.limits.max_images} (gateway.images.max_images): {len(made)} made by user "
+                f"code ({'; '.join(made[k] for k in sorted(made))}); {held}"
+            )
+        images, counted = list(images), [len(images) - len(made)]
+        for k, where in sorted(made.items()):
+            try:
+                images[k] = self.data_url(images[k], counted)
+            except ImageRefused as exc:
+                raise ImageRefused(
+                    f"an image a rollout function's conversation carries ({where}) is refused: "
+                    f"{exc}; {held}"
+                ) from None
+        return images
 
     def _message(self, message: Any, counted: list[int]) -> Any:
         content = message.get("content") if isinstance(message, dict) else None

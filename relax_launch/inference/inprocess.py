@@ -5,10 +5,12 @@ kept-alive HTTP session and one ``EngineClient`` per role. An ``EngineClient`` r
 straight from the role's ``InferenceManager``, picks the engine with ``RouteResolver`` (the
 gateway's rule: same model choice, same affinity engine, same 503 before readiness) and answers
 as the gateway would (a 503 refusal, tried once more after ``RETRY_AFTER_S``; 400 for a token
-outside the vocabulary; 502/504 for an engine that fails or stalls), each as ``InferenceError``.
-The gateway stays the door for external clients; what the controller sends is counted as
-``relax_controller_*`` (on the gateway's /metrics when given its registry), not as
-``relax_gateway_*``.
+outside the vocabulary; 502/504 for an engine that fails or stalls), each as ``InferenceError``,
+except for images: the controller's go as they are (its prompts' were read before start, those
+user code made were held to gateway.images by the agent client: ``controller_images_problem``).
+The gateway stays the door for external clients;
+what the controller sends is counted as ``relax_controller_*`` (on the gateway's /metrics when
+given its registry), not as ``relax_gateway_*``.
 """
 
 from __future__ import annotations
@@ -27,16 +29,13 @@ from prometheus_client import CollectorRegistry
 from relax_launch import http
 from relax_launch.inference.client import InferenceError, Prepared, engine_request
 from relax_launch.inference.disaggregation import PrefillUnreachable
-from relax_launch.inference.generation_routes import (
-    JUDGE_SAMPLING,
-    Renderer,
-    checked_images,
-    renderer_for,
-)
+from relax_launch.inference.generation_routes import JUDGE_SAMPLING, Renderer, renderer_for
 from relax_launch.inference.health import HealthProbe
 from relax_launch.inference.images import (
     ImagePolicy,
     ImageRefused,
+    controller_images_problem,
+    has_images,
     image_urls,
     text_placeholders_problem,
 )
@@ -50,6 +49,7 @@ from relax_launch.inference.routing import (
     ROUTING_FIELDS,
     RouteResolver,
     RoutingError,
+    select_model,
 )
 
 T = TypeVar("T")
@@ -88,7 +88,8 @@ class EngineClient:
         images: ImagePolicy | None = None,
     ) -> None:
         self.manager, self.role = manager, manager.role
-        self.images = images or ImagePolicy()  # the gateway's (gateway.images)
+        # gateway.images, for the images user code makes (the agent client applies it)
+        self.images = images or ImagePolicy()
         self.session: aiohttp.ClientSession | None = None  # the job's session, once started
         self.resolver, self.timeout_s, self.metrics = resolver, timeout_s, metrics
         self.renderers = renderers or {}  # the genrm role's judge form (chat messages in)
@@ -102,8 +103,8 @@ class EngineClient:
         started, model, status = time.perf_counter(), "-", 500
         self.metrics.in_flight.labels(self.role).inc()
         try:
-            try:  # the gateway's check: refused (400) before any engine
-                payload = await checked_images(self.images, self.manager, payload) or payload
+            try:  # refused (400) before any engine
+                self._images(payload)
             except (RoutingError, ImageRefused) as exc:
                 raise InferenceError(exc.status, str(exc)) from None
             if path == "/generate" and payload.get("messages") is not None:
@@ -128,6 +129,13 @@ class EngineClient:
             self.metrics.in_flight.labels(self.role).dec()
             seconds = time.perf_counter() - started
             self.metrics.finished(self.role, path.lstrip("/"), model, status, seconds)
+
+    def _images(self, payload: dict) -> None:
+        """``controller_images_problem`` of ``payload``, whose images go as they are."""
+        if has_images(payload):
+            snapshot, route_key = self.manager.snapshot(), payload.get("route_key")
+            model = select_model(snapshot, payload.get("model"), route_key)
+            controller_images_problem(payload, model, self.manager.image_token_of(model))
 
     def _route(self, path: str, payload: dict, affinity_key: str | None) -> Prepared:
         if path not in ENGINE_PATHS:

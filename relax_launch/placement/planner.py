@@ -21,6 +21,7 @@ from relax_launch.placement.plan import (
     WeightSyncGroup,
     sync_rank_offsets,
 )
+from relax_launch.placement.spans import check_engine_span
 from relax_launch.placement.spare_pool import check_pool, place_pool, pooled_ranks
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def _engines(job: JobConfig, starts: dict[str, int], per_node: int) -> tuple[Eng
             width = shape.ranks_per_engine
             own = shape.reserved_engines if not pooled_ranks(job, name) else 0
             for n in range(shape.num_engines + own):
-                _check_engine_span(field, len(engines_of(engines, name)), first, width, per_node)
+                check_engine_span(field, len(engines_of(engines, name)), first, width, per_node)
                 ranks = tuple(range(first, first + width))
                 engines.append(
                     EnginePlan(
@@ -245,7 +246,7 @@ def _place_models(
             )
         for _ in range(section.num_engines):
             index = len(engines_of(engines, name))
-            _check_engine_span(field, index, first, width, per_node)
+            check_engine_span(field, index, first, width, per_node)
             ranks = tuple(range(first, first + width))
             engines.append(
                 EnginePlan(
@@ -276,26 +277,6 @@ def _check_pairs(name: str, decode_engines: int, prefill_engines: int) -> None:
         f"decode engines. Change {name}.ranks or {name}.prefill.ranks.",
         (f"{name}.ranks", f"{name}.prefill.ranks"),
     )
-
-
-def _check_engine_span(field: str, index: int, first: int, width: int, per_node: int) -> None:
-    name = field.partition(".")[0]
-    last = first + width - 1
-    if width <= per_node and first // per_node != last // per_node:
-        raise ConfigError(
-            f"{name} engine {index} (ranks {first}-{last}) would cross a node boundary "
-            f"({per_node} ranks per node): change the ranks of the roles placed before it, or "
-            f"{field}.tp_size x {field}.pp_size, so each engine fits inside one node.",
-            (f"{field}.tp_size",),
-        )
-    if width > per_node and (width % per_node or first % per_node):
-        raise ConfigError(
-            f"{name} engine {index} spans {width} ranks from rank {first}, but an engine wider "
-            f"than a node ({per_node} ranks) must use whole nodes: make "
-            f"{field}.tp_size x {field}.pp_size a multiple of {per_node} and start it on a node "
-            "boundary.",
-            (f"{field}.tp_size",),
-        )
 
 
 def _check_batch(job: JobConfig, trainer: TrainerLayout) -> None:

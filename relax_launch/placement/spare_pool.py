@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from relax_launch.config.errors import ConfigError
 from relax_launch.placement.plan import EnginePlan
+from relax_launch.placement.spans import check_engine_span
 
 if TYPE_CHECKING:
     from relax_launch.config.job import JobConfig
@@ -83,20 +84,15 @@ def place_pool(
     engines: list[EnginePlan], job: JobConfig, first: int, per_node: int, phase: str
 ) -> None:
     """Each pool role's reserved engines on the pool's ranks (from ``first``), each from the
-    pool's first rank on, so the roles' engines overlap."""
+    pool's first rank on, so the roles' engines overlap; each where the planner's rule lets an
+    engine lie (in one node, or whole nodes for one wider than a node)."""
     sections = job.inference_roles()
     for role in pool_roles(job):
         section, width = sections[role], sections[role].ranks_per_engine
         for k in range(pool_engines(job, role)):
             ranks = tuple(range(first + k * width, first + (k + 1) * width))
             index = sum(e.role == role for e in engines)
-            if width <= per_node and ranks[0] // per_node != ranks[-1] // per_node:
-                raise ConfigError(
-                    f"{role} engine {index} on the spare pool (ranks {ranks[0]}-{ranks[-1]}) "
-                    f"would cross a node boundary ({per_node} ranks per node): size "
-                    "cluster.spare_ranks and the roles before it so each engine fits in a node.",
-                    ("cluster.spare_ranks",),
-                )
+            check_engine_span(role, index, ranks[0], width, per_node, pool=True)
             engines.append(
                 EnginePlan(
                     role=role,

@@ -1,5 +1,5 @@
 """What a vision-language model (Qwen2.5-VL) adds to the memory plan: the trainer's vision tower
-activations and a micro-batch's pixel values, and an engine's multimodal cache and image-encoder
+activations and a step's pixel values, and an engine's multimodal cache and image-encoder
 headroom. The language model's terms are the text families' (``placement/memory.py``).
 
 How many image patches a micro-batch holds: each sequence's image tokens are part of its
@@ -42,10 +42,16 @@ def image_tokens_per_sequence(job: JobConfig, vision: VisionSize) -> tuple[int, 
 
 
 def vision_trainer_terms(job: JobConfig, size: ModelSize, trained: bool, dp: int) -> list[Term]:
-    """The pixel values of a step's images (every micro-batch of the DP rank's share is moved
-    to the device before the first: ``Trainer._micro_batches``) and, when the tower trains,
-    what its forward keeps for the backward pass over one micro-batch's patches (a frozen
-    tower's forward keeps nothing)."""
+    """The pixel values of a step's images and, when the tower trains, what its forward keeps
+    for the backward pass over one micro-batch's patches (a frozen tower's forward keeps
+    nothing).
+
+    Pixel values: the DP rank's shard as received, once; its micro-batches are views of it,
+    joined one micro-batch at a time in the forward (``vlm_batches.joined_pixels``). They travel
+    in the trainer's dtype, which the tower casts them to anyway. Rank 0 sends the other DP
+    ranks' shards one at a time before its own step and keeps none on its device once sent
+    (``ShardChannel.start``): the bytes of one such shard, never beside its own, so this term
+    bounds them too."""
     vision, data = size.vision, job.data
     tokens, assumed = image_tokens_per_sequence(job, vision)
     patches = tokens * vision.merge_size**2  # of one sequence
@@ -54,12 +60,18 @@ def vision_trainer_terms(job: JobConfig, size: ModelSize, trained: bool, dp: int
     )
     share = data.prompts_per_step * job.algorithm.n_samples_per_prompt // dp
     how = f"{patches} patches a sequence: {tokens} image tokens ({assumed})"
+    dtype = job.trainer.dtype
+    b = BYTES[dtype]
+    pixels = share * patches * vision.patch_values * b
     terms = [
-        Term("pixel values", share * patches * vision.patch_values * 4, f"fp32, {share} x {how}")
+        Term(
+            "pixel values", pixels, f"{dtype}, once (rank 0: or a shard it sends), {share} x {how}"
+        )
     ]
     if trained:
-        b = BYTES[job.trainer.dtype]  # the patch embedding keeps a copy in a 2-byte dtype
-        kept = TowerActivations(vision, b).per_patch() + (vision.patch_values * b if b < 4 else 0)
+        # the patch embedding keeps its input: a view of the received pixel values in order, a
+        # joined copy else (counted: it is the micro-batch's)
+        kept = TowerActivations(vision, b).per_patch() + vision.patch_values * b
         what = f"{vision.depth} blocks, {sequences} x {how}"
         terms.append(Term("vision activations", sequences * patches * kept, what))
     return terms

@@ -7,8 +7,12 @@ engine with import stand-ins, Megatron-core with its CUDA calls redirected).
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+from relax_launch.deadline import wait_until
 
 if TYPE_CHECKING:
     import torch
@@ -240,6 +244,55 @@ def synchronize(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def wait_sent(
+    works: list, device: torch.device, timeout_s: float, check: Callable[[], object]
+) -> bool:
+    """Wait until these sends (torch.distributed works) have completed, so the device copies
+    they send from are free before the next are made; False if they have not within
+    ``timeout_s``. ``check`` runs between short sleeps and raises to give up (the receiver
+    failed, so never receives). NCCL's ``is_completed`` says when a send ended on its stream
+    (after the copy it sends, made before it on the current stream); its ``wait`` then lets
+    the tensor go. Gloo's stays False until ``wait``, which blocks (and a timed ``wait`` closes
+    the connection): a thread waits there."""
+    nccl = device.type == "cuda"
+    waiting = None if nccl else _WaitThread(works)
+
+    def ended() -> bool:
+        check()
+        return all(work.is_completed() for work in works) if waiting is None else waiting()
+
+    if not wait_until(ended, timeout_s, interval_s=0.001, max_interval_s=0.02):
+        return False
+    if nccl:
+        for work in works:
+            work.wait()  # raises the send's error; drops the tensor NCCL stashed for it
+    return True
+
+
+class _WaitThread:
+    """``works`` waited one after another in a thread of their own; called: whether they all
+    completed (raising a wait's error). Given up on, it waits until the group's timeout or
+    teardown ends the sends."""
+
+    def __init__(self, works: list) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._wait, args=(works,), daemon=True)
+        self.thread.start()
+
+    def _wait(self, works: list) -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting caller's thread
+            self.error = exc
+
+    def __call__(self) -> bool:
+        done = not self.thread.is_alive()
+        if self.error is not None:
+            raise self.error
+        return done
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from relax_launch.rl.agent_images import as_the_engine_saw, image_request
+from relax_launch.rl.agent_images import ConversationImages, as_the_engine_saw, image_request
 from relax_launch.rl.agent_vision import AgentVision, attach_images
 from relax_launch.rl.calculator import calculator
 from relax_launch.rl.data import Prompt
@@ -40,6 +40,7 @@ from relax_launch.rl.samples import Sample, TurnTokens
 from relax_launch.rl.vision_prompts import shows_media, text_of
 
 if TYPE_CHECKING:  # rank 0's engine clients; the CLI's input check imports this module
+    from relax_launch.inference.images import ImagePolicy
     from relax_launch.inference.inprocess import EngineClients
 
 SENTINEL = "\u2063relax-sentinel\u2063"  # a reply text no template alters: what follows it
@@ -120,6 +121,7 @@ class AgentClient:
         self.ended_with: int | None = None  # its stop token, when the engine produced one
         self.engine_error: Exception | None = None  # raised by the engines: fails the step
         self.scores: dict[str, float] = {}  # rewards the rollout computed (an environment's)
+        self.images = ConversationImages()  # the prompt's own and gateway.images (converse)
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
     def render(self, messages: list[dict[str, Any]], tools: Any, generate: bool) -> str:
@@ -138,6 +140,9 @@ class AgentClient:
                 f"takes messages and {', '.join(sorted(ACCEPTED - {'n', 'stream'}))}"
             )
         conversation = [as_dict(m) for m in messages]
+        # before anything is recorded: user code's images refused (ImageRefused) fail this
+        # sample, not the step, unless the rollout function catches it and goes on
+        images = await self.images.sent(conversation)
         context, left = self._context(conversation, options.get("tools"))
         if left <= 0:
             raise RolloutBudgetExceeded(f"the conversation used its {self.budget} tokens")
@@ -148,7 +153,7 @@ class AgentClient:
         }
         sampling |= {k: options[k] for k in ("top_p", "stop") if options.get(k) is not None}
         body = {"input_ids": context, "return_logprob": True}
-        body |= image_request(context, conversation, self.tokenizer)  # rl/agent_images.py
+        body |= image_request(context, images, self.tokenizer)
         if "image_data" in body and self._sampled_media():
             self.trajectory.rejected = "a reply the policy sampled shows a media placeholder"
             raise RejectedTrajectory(self.trajectory.rejected)  # the engine would refuse it
@@ -298,10 +303,15 @@ def load_rollout_function(spec: str) -> RolloutFunction:
 
 
 async def converse(
-    function: RolloutFunction, prompt: Prompt, client: AgentClient
+    function: RolloutFunction,
+    prompt: Prompt,
+    client: AgentClient,
+    images: ImagePolicy | None = None,
 ) -> tuple[list[dict[str, Any]] | None, str]:
     """(the conversation, "") or (None, why it ended early: out_of_budget or failed). An error of
-    the engines themselves is raised: it fails the step, as in a plain rollout."""
+    the engines themselves is raised: it fails the step, as in a plain rollout. ``images``:
+    gateway.images, for the images user code adds (``ConversationImages.of``)."""
+    client.images = ConversationImages.of(prompt, images)
     try:
         conversation = await function(prompt, client)
     except RolloutBudgetExceeded:
@@ -334,14 +344,13 @@ def generate(
     records each (``rollout.multi_turn``); ``vision`` gives a vision-language policy's samples
     their images (``rl/agent_vision.py``)."""
     rollout = engines.client("rollout")
-    clients = []
+    clients, conversations = [], []
     for group in range(len(prompts)):
         for _ in range(n):
             key = f"g{group}"  # a prompt's conversations share an engine and its prefix cache
             engine = functools.partial(rollout.request, "/generate", affinity_key=key)
             clients.append(client(engine, tokenizer, temperature, max_tokens))
-
-    conversations = [converse(function, prompts[i // n][0], c) for i, c in enumerate(clients)]
+            conversations.append(converse(function, prompts[group][0], clients[-1], rollout.images))
     outcomes = engines.run(all_or_none(conversations), what=f"{len(clients)} agentic rollouts")
     samples = [
         to_sample(i // n, prompts[i // n], client, conversation, outcome)

@@ -15,15 +15,25 @@ the conversation cannot be trained exactly and is rejected, as a conversation th
 extend its last turn is. Because the processor reads the decoded text, a media placeholder the
 policy sampled in an earlier reply would count as one more image or a video (refused, 400): the
 client rejects such a conversation before sending the turn (``AgentClient._sampled_media``).
+
+The prompt's own images go as they are (the engines' PNG ``data:`` URLs, read before the job
+started: ``rl/vision_prompts.py``). Every other image of the conversation is user code's (a
+tool's result): held to ``gateway.images`` and sent as the engines' PNG of its RGB pixels, the
+pixels the trainer reads (``ConversationImages``); a refusal is raised in the rollout function,
+this sample's failure, not the step's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
-from relax_launch.inference.images import image_urls
+from relax_launch.inference.images import ImagePolicy, image_urls
 from relax_launch.models.registry import IMAGE_PAD
+from relax_launch.rl.vision_prompts import engine_url, opened
 
 
 def placeholder(tokenizer: Any) -> int:
@@ -31,9 +41,8 @@ def placeholder(tokenizer: Any) -> int:
     return tokenizer.convert_tokens_to_ids(IMAGE_PAD)
 
 
-def image_request(context: list[int], conversation: list[dict[str, Any]], tokenizer: Any) -> dict:
-    """The fields a /generate body adds for ``conversation``'s images (none: {})."""
-    images = image_urls(conversation)
+def image_request(context: list[int], images: list[Any], tokenizer: Any) -> dict:
+    """The fields a /generate body adds for the conversation's ``images`` (none: {})."""
     if not images:
         return {}
     return {
@@ -41,6 +50,58 @@ def image_request(context: list[int], conversation: list[dict[str, Any]], tokeni
         "image_data": images,
         "return_prompt_token_ids": True,
     }
+
+
+@dataclass(frozen=True)
+class ConversationImages:
+    """A conversation's images as its turns send them: the prompt's ``own`` as they are, the
+    others (user code's) checked by ``policy`` (``gateway.images``) and made the engines' PNG."""
+
+    own: frozenset[str] = frozenset()
+    policy: ImagePolicy = field(default_factory=ImagePolicy)
+    # user code's image URL -> what was sent: each turn sends every image so far, made once
+    done: dict[str, str] = field(default_factory=dict)
+
+    def made(self, conversation: list[dict[str, Any]]) -> dict[int, str]:
+        """Index in ``image_urls(conversation)`` -> where, of each image user code put there:
+        the message, its role and, for a tool's result, the tool."""
+        located = []
+        for m, message in enumerate(conversation):
+            tool = message.get("name") or message.get("tool_call_id")
+            role = f"{message.get('role')} {tool!r}" if tool else message.get("role")
+            located += [(url, f"messages[{m}], {role}") for url in image_urls([message])]
+        return {
+            k: where
+            for k, (url, where) in enumerate(located)
+            if not (isinstance(url, str) and url in self.own)
+        }
+
+    @classmethod
+    def of(cls, prompt: Any, policy: ImagePolicy | None = None) -> ConversationImages:
+        """``prompt``'s own images, the rest held to ``policy`` (None: gateway.images' defaults)."""
+        own = frozenset(prompt.images.urls if prompt.images is not None else ())
+        return cls(own, policy or ImagePolicy())
+
+    async def sent(self, conversation: list[dict[str, Any]]) -> list[Any]:
+        """``conversation``'s images as the engines are sent them: each user code put there
+        checked (``ImagePolicy.checked_user_images``: ``ImageRefused`` naming where) and as
+        ``engine_url`` makes it (off the event loop: PIL decodes)."""
+        images, made = image_urls(conversation), self.made(conversation)
+        return await asyncio.to_thread(self._sent, images, made) if made else images
+
+    def _done(self, url: Any) -> bool:
+        return isinstance(url, str) and url in self.done
+
+    def _sent(self, images: list[Any], made: dict[int, str]) -> list[Any]:
+        over = len(images) > self.policy.limits.max_images  # refused whatever was sent before
+        fresh = {k: w for k, w in made.items() if over or not self._done(images[k])}
+        checked = self.policy.checked_user_images(images, fresh)
+        for k in made:
+            if k in fresh:
+                data = base64.b64decode(checked[k].partition(",")[2])
+                self.done[images[k]] = engine_url(checked[k], opened(data))
+            checked[k] = self.done[images[k]]
+        return checked
 
 
 def collapsed(ids: list[int], pad: int) -> list[int]:

@@ -272,7 +272,8 @@ class ContinuousRollout:
             self.max_tokens,
         )
         try:
-            conversation, outcome = await converse(self.agent, prompt, client)
+            images = self.engines.client("rollout").images  # gateway.images
+            conversation, outcome = await converse(self.agent, prompt, client, images)
         except ImageRestartsExceeded as error:
             self._give_up(prompt, error)
             conversation, outcome = None, "failed"

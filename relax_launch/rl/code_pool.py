@@ -1,8 +1,9 @@
 """The sandboxes of ``builtin:code_tests``: each sample's program runs against its row's tests
 in a sandbox of its own (``rl/sandbox_init.py``: namespaces without network, a read-only
-filesystem but a small tmpfs, limits, an unprivileged uid), ``concurrency`` at once. Rank 0
-waits on their result pipes with ``select`` (the GIL released: the gateway's and the other
-threads' work goes on), bounded by the earliest wall-time deadline in flight; a sandbox over
+filesystem but a small tmpfs, limits, an unprivileged uid), ``concurrency`` at once, several
+callers' batches sharing them (``rl/pool_batches.py``). Rank 0 waits on their result pipes with
+``select`` (the GIL released: the gateway's and the other threads' work goes on), bounded by
+the earliest wall-time deadline in flight; a sandbox over
 ``timeout_s`` is killed by PID and process group (its PID namespace dies with it) and keeps
 the tests it passed before. Reward = tests passed / tests."""
 
@@ -18,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ from relax_launch.config.patterns import last_group
 from relax_launch.deadline import Deadline, wait_until
 from relax_launch.processes import group_alive
 from relax_launch.rl.code_config import CODE_PATTERN, CodeTestsConfig
-from relax_launch.rl.reward_pool import TURN_TIMEOUT_S, Outcome
+from relax_launch.rl.pool_batches import Batch, BatchQueue, Outcome
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 NAMESPACES = ["--net", "--pid", "--mount-proc", "--fork", "--kill-child"]
@@ -51,6 +51,7 @@ def tests_problem(tests: Any) -> str | None:
 class Sandbox:
     """One running sandbox and what it reported so far."""
 
+    batch: Batch
     index: int
     tests: int
     slot: int
@@ -115,52 +116,67 @@ class CodeSandboxPool:
     def __init__(self, config: CodeTestsConfig, scratch: str | None = None) -> None:
         self.config = config
         self.scratch = scratch or tempfile.gettempdir()
-        self.turn = threading.Lock()  # one caller at a time: the uids are the pool's
+        self.queue = BatchQueue("the code sandboxes")
+        self.free = deque(range(config.concurrency))  # the slots (uids) no sandbox runs as
         self.running: list[Sandbox] = []
         self.closed = False
 
     def run(self, calls: list[tuple[str, tuple]], timeout_s: float) -> list[Outcome]:
         """Each call's outcome, in order; each sandbox ends within ``timeout_s`` of its start."""
-        outcomes = [Outcome() for _ in calls]
-        if not self.turn.acquire(timeout=TURN_TIMEOUT_S):
-            raise RuntimeError(f"the code sandboxes were busy for {TURN_TIMEOUT_S:.0f} s")
-        try:
-            self._run(calls, timeout_s, outcomes)
-            return outcomes
-        finally:
-            for sandbox in self.running:  # interrupted (a stop abandons the step), or closed
-                sandbox.stop()
-            self.running = []
-            self.turn.release()
-
-    def _run(self, calls: list[tuple[str, tuple]], timeout_s: float, out: list[Outcome]) -> None:
-        pending = deque()
+        batch = Batch([Outcome() for _ in calls], timeout_s)
         for index, (_, (response, tests)) in enumerate(calls):
             source = last_group(response, self.config.code_pattern)
             if problem := tests_problem(tests):
-                out[index].error = f"builtin:code_tests: the row {problem}"
+                batch.outcomes[index].error = f"builtin:code_tests: the row {problem}"
             elif source is None:
-                out[index].value = 0.0  # no program in the response
+                batch.outcomes[index].value = 0.0  # no program in the response
             else:
-                pending.append((index, source, list(tests)))
-        free = deque(range(self.config.concurrency))
-        while pending or self.running:
-            if self.closed:
-                raise RuntimeError("the code sandboxes are closed")
-            while pending and free:
-                self.running.append(self._start(*pending.popleft(), free.popleft(), timeout_s))
-            left = min(s.deadline.left() for s in self.running)
-            select.select([s.fd for s in self.running], [], [], left)
-            for sandbox in list(self.running):
-                ended = not sandbox.read()
-                if ended or sandbox.deadline.passed:
-                    self.running.remove(sandbox)
-                    sandbox.stop()
-                    free.append(sandbox.slot)
-                    out[sandbox.index] = sandbox.outcome(timed_out=not ended)
+                batch.pending.append((index, (source, list(tests))))
+        return self.queue.serve(batch, self._round, self._abandon)
 
-    def _start(self, index: int, source: str, tests: list, slot: int, timeout_s: float) -> Sandbox:
-        """A sandbox for one sample, as uid ``config.uid + slot``."""
+    def _round(self) -> None:
+        """Start what the free slots take, wait for a result or a deadline, end the sandboxes
+        that ended, passed their limit or whose caller is gone."""
+        if self.closed:
+            for sandbox in list(self.running):
+                self._end(sandbox, timed_out=False)
+            raise RuntimeError("the code sandboxes are closed")
+        while self.free and (job := self.queue.take()) is not None:
+            batch, index, (source, tests) = job
+            slot = self.free.popleft()
+            try:
+                self.running.append(
+                    self._start((batch, index), source, tests, slot, batch.timeout_s)
+                )
+            except BaseException:
+                self.free.appendleft(slot)
+                self.queue.done(batch, index, Outcome(error="builtin:code_tests: no sandbox"))
+                raise
+        left = min((s.deadline.left() for s in self.running), default=0.0)
+        select.select([self.queue.wake_fd, *(s.fd for s in self.running)], [], [], left)
+        self.queue.drain()
+        for sandbox in list(self.running):
+            ended = not sandbox.read()
+            if ended or sandbox.deadline.passed or sandbox.batch.abandoned:
+                self._end(sandbox, timed_out=not ended)
+
+    def _end(self, sandbox: Sandbox, timed_out: bool) -> None:
+        self.running.remove(sandbox)
+        try:
+            sandbox.stop()
+        finally:
+            self.free.append(sandbox.slot)
+            self.queue.done(sandbox.batch, sandbox.index, sandbox.outcome(timed_out))
+
+    def _abandon(self, batch: Batch) -> None:
+        for sandbox in [s for s in self.running if s.batch is batch]:
+            self._end(sandbox, timed_out=False)
+
+    def _start(
+        self, call: tuple[Batch, int], source: str, tests: list, slot: int, timeout_s: float
+    ) -> Sandbox:
+        """A sandbox for ``call`` (its batch, its index there), as uid ``config.uid +
+        slot``, to end within ``timeout_s``."""
         limits = self.config
         workdir = Path(tempfile.mkdtemp(prefix="relax-code-", dir=self.scratch))
         job = {
@@ -195,12 +211,15 @@ class CodeSandboxPool:
         finally:
             os.close(write_end)
         os.set_blocking(read_end, False)
-        return Sandbox(index, len(tests), slot, process, read_end, workdir, Deadline(timeout_s))
+        deadline = Deadline(timeout_s)
+        return Sandbox(*call, len(tests), slot, process, read_end, workdir, deadline)
 
     def close(self) -> None:
-        """Stop taking calls; a caller still running gets a RuntimeError and its sandboxes
-        are killed."""
+        """Stop taking calls; a caller still running gets a RuntimeError and the sandboxes
+        are killed: by the caller running the rounds, else here (an interrupted caller's
+        left with no one running them)."""
         self.closed = True
+        self.queue.close()
 
 
 def sandbox_problem(config: CodeTestsConfig) -> str | None:
@@ -218,11 +237,13 @@ def sandbox_problem(config: CodeTestsConfig) -> str | None:
         with contextlib.suppress(KeyError):
             return f"uid {uid} belongs to the account {pwd.getpwuid(uid).pw_name}; set code.uid"
     call = ("code_tests", ("```python\nimport json\nx = json.loads('1')\n```", ["assert x == 1"]))
-    try:
-        trial = config.model_copy(update={"code_pattern": CODE_PATTERN})  # its own limits
-        (outcome,) = CodeSandboxPool(trial).run([call], timeout_s=30)
+    pool = CodeSandboxPool(config.model_copy(update={"code_pattern": CODE_PATTERN}))
+    try:  # the trial's pool: the job's own limits
+        (outcome,) = pool.run([call], timeout_s=30)
     except OSError as exc:
         return f"the code sandbox could not start: {exc}"
+    finally:
+        pool.close()
     if outcome.value != 1.0:
         return f"a trial sandbox failed: {outcome.error or f'reward {outcome.value}'}"
     return None

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from time import monotonic
 from typing import TYPE_CHECKING
 
 from relax_launch.rl.gae import explained_variance, gae, masked_mean, returns, whiten
 from relax_launch.rl.samples import Sample
 from relax_launch.trainer.batch import TokenBatch
-from relax_launch.trainer.critic import STEP_SECONDS
+from relax_launch.trainer.critic import STEP_SECONDS, STEP_TICKETS
 from relax_launch.trainer.critic_loss import critic_batch
 from relax_launch.trainer.losses import LossSpec
 
@@ -39,6 +39,16 @@ def advantages_and_returns(
     return advantages, targets
 
 
+@dataclass(frozen=True)
+class PolicySpan:
+    """The policy's step beside the critic's on rank 0: its seconds, and the job's event
+    tickets (``Job.order_ticket``) taken just before and just after it."""
+
+    seconds: float
+    began: int
+    ended: int
+
+
 def train_policy_and_critic(
     ctx: RLContext, policy_step: Callable[[], dict[str, float]] | None, batch: TokenBatch
 ) -> dict[str, float]:
@@ -55,18 +65,18 @@ def train_policy_and_critic(
         return metrics | critic_metrics(steps)
     begun = monotonic()  # rank 0's clock only: the critic's ranks report durations
     started = job.start_critic(_mini_batches(ctx, batch), ctx.critic.value_clip)
-    policy_s, metrics = None, {}
+    policy, metrics = None, {}
     if policy_step is not None:
-        policy_begun = monotonic()
+        policy_begun, first = monotonic(), job.order_ticket()
         try:
             metrics = policy_step()
         except BaseException:  # the critic's sends end before the job's shutdown
             with contextlib.suppress(Exception):
                 job.finish_critic(started)
             raise
-        policy_s = monotonic() - policy_begun
+        policy = PolicySpan(monotonic() - policy_begun, first, job.order_ticket())
     steps = job.finish_critic(started)
-    return metrics | critic_metrics(steps, policy_s, monotonic() - begun)
+    return metrics | critic_metrics(steps, policy, monotonic() - begun)
 
 
 def _mini_batches(ctx: RLContext, batch: TokenBatch) -> list[TokenBatch]:
@@ -76,22 +86,29 @@ def _mini_batches(ctx: RLContext, batch: TokenBatch) -> list[TokenBatch]:
 
 
 def critic_metrics(
-    steps: list[dict[str, float]], policy_s: float | None = None, wall_s: float | None = None
+    steps: list[dict[str, float]], policy: PolicySpan | None = None, wall_s: float | None = None
 ) -> dict[str, float]:
     """Each metric's mean over the critic's steps; ``critic/step_s``, the steps' summed
-    durations on the critic's ranks; with ``policy_s`` (the policy's step on rank 0) and
+    durations on the critic's ranks; with ``policy`` (the policy's step on rank 0) and
     ``wall_s`` (from posting the critic's steps to collecting the last, on rank 0)
-    ``critic/overlap_s``: how long the two trained at once (``policy_s + step_s - wall_s``, at
-    least 0), and ``critic/overlap_fraction``: that share of the shorter of the two (1: it ran
-    entirely within the other). Durations only: no two machines' clocks meet."""
+    ``critic/overlap_s``: how long the two trained at once (``policy.seconds + step_s -
+    wall_s``, at least 0), ``critic/overlap_fraction``: that share of the shorter of the two (1:
+    it ran entirely within the other), both from durations only (no two machines' clocks meet),
+    and ``critic/overlapped_steps``: the critic's steps that ran, at least in part, while the
+    policy's did, by the order of their tickets (``STEP_TICKETS``) and the policy's: a step
+    that began before the policy's ended and ended after it began. No clock at all."""
     critic_s = sum(s.pop(STEP_SECONDS) for s in steps)
+    tickets = [tuple(s.pop(key, None) for key in STEP_TICKETS) for s in steps]
     metrics = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
     metrics["critic/step_s"] = critic_s
-    if policy_s is not None and wall_s is not None:
-        overlap = max(0.0, policy_s + critic_s - wall_s)
-        shorter = min(critic_s, policy_s)
+    if policy is not None and wall_s is not None:
+        overlap = max(0.0, policy.seconds + critic_s - wall_s)
+        shorter = min(critic_s, policy.seconds)
         metrics["critic/overlap_s"] = overlap
         metrics["critic/overlap_fraction"] = min(1.0, overlap / shorter) if shorter > 0 else 0.0
+        metrics["critic/overlapped_steps"] = float(
+            sum(b < policy.ended and e > policy.began for b, e in tickets if b is not None)
+        )
     return metrics
 
 

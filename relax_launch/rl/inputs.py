@@ -17,7 +17,7 @@ from relax_launch.rl.environment_config import EnvironmentConfig
 from relax_launch.rl.environment_dataset import EnvironmentProblem, environment_prompts
 from relax_launch.rl.reasoning_gym_config import PREFIX, ReasoningGymConfig
 from relax_launch.rl.rewards import load_function
-from relax_launch.rl.vision_prompts import image_parts, prompt_images
+from relax_launch.rl.vision_prompts import image_parts, read_images
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,14 @@ def read_inputs(
     environment: EnvironmentConfig | None = None,
     *,
     vision: bool = False,
+    decode: bool = True,
 ) -> Inputs:
     """Raise ConfigError naming the field when the data, the eval data, a reward function or
     the rollout function is unusable; returns the prompts it read (rank 0 trains on the
     training ones and evaluates on the eval ones). ``vision``: the policy is a
     vision-language model, the only one that takes rows with images (each of which must be
-    readable)."""
+    readable). ``decode`` False (the CLI, before rank 0 reads them again): each image's
+    header alone (an image, its size), its pixels decoded once, by rank 0."""
     _reasoning_gym_tasks(data, evaluation)
     try:
         prompts = load_prompts(data) if environment is None else environment_prompts(environment)
@@ -61,8 +63,8 @@ def read_inputs(
             ("eval.data.dataset",),
         )
     _code_sandboxes(reward, [("data", prompts), ("eval.data", eval_prompts)])
-    _image_rows("data", prompts, vision)
-    _image_rows("eval.data", eval_prompts, vision)
+    _image_rows("data", prompts, vision, decode)
+    _image_rows("eval.data", eval_prompts, vision, decode)
     for number, source in enumerate(reward.sources):
         if source.function is None:
             continue
@@ -86,10 +88,12 @@ def read_inputs(
     return Inputs(prompts, eval_prompts)
 
 
-def _image_rows(field: str, prompts: list[Prompt], vision: bool) -> None:
+def _image_rows(field: str, prompts: list[Prompt], vision: bool, decode: bool) -> None:
     """Every image of every row of ``field`` (data, eval.data) opens (a missing file, a remote
-    URL, bytes that are not an image: the row and the part named), and only a vision-language
-    policy gets any."""
+    URL, bytes that are not an image, more pixels than ``vision_prompts.MAX_PIXELS``: the row
+    and the part named), and only a vision-language policy gets any. These are the only limits
+    a dataset image is held to: the controller's requests are not checked again, so a job
+    never fails mid-run on an image it accepted here (gateway.images bounds external callers)."""
     for prompt in prompts:
         if not image_parts(prompt.messages):
             continue
@@ -101,7 +105,7 @@ def _image_rows(field: str, prompts: list[Prompt], vision: bool) -> None:
                 (f"{field}.dataset", "trainer.model"),
             )
         try:
-            prompt_images(prompt)
+            read_images(prompt, decode)
         except ValueError as exc:
             raise ConfigError(f"{field}.dataset: {exc}", (f"{field}.dataset",)) from None
 

@@ -18,23 +18,13 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from relax_launch.deadline import Deadline
+from relax_launch.rl.pool_batches import Batch, BatchQueue, Outcome
 from relax_launch.rl.reward_frames import HEADER, write_frame
 
 START_TIMEOUT_S = 120.0  # a worker's imports (reasoning-gym, sympy) take seconds, not minutes
-TURN_TIMEOUT_S = 600.0  # the wait for another thread's scoring (an off-policy step's) to end
-
-
-@dataclass
-class Outcome:
-    """One call's result: its value, or why it has none (timed out, or the scorer's error)."""
-
-    value: float | None = None
-    timed_out: bool = False
-    error: str | None = None
 
 
 class Worker:
@@ -48,11 +38,13 @@ class Worker:
         self.buffer = bytearray()
         self.ready = False
         self.started = Deadline(START_TIMEOUT_S)
-        self.call: tuple[int, Deadline] | None = None  # (index, its deadline) while scoring
+        # ((its batch, its index there), its deadline) while scoring
+        self.call: tuple[tuple[Batch, int], Deadline] | None = None
 
-    def send(self, index: int, call: tuple[str, tuple], timeout_s: float) -> None:
+    def send(self, job: tuple[Batch, int], call: tuple[str, tuple], timeout_s: float) -> None:
+        """Send call ``job`` (its batch, its index there), to end within ``timeout_s``."""
         write_frame(self.process.stdin, call)
-        self.call = (index, Deadline(timeout_s))
+        self.call = (job, Deadline(timeout_s))
 
     def frames(self) -> tuple[list[Any], bool]:
         """The frames that arrived complete, and whether the worker's stdout closed."""
@@ -82,99 +74,103 @@ class Worker:
 
 
 class ScoringPool:
-    """``size`` workers, started at once and replaced when killed."""
+    """``size`` workers, started at once and replaced when killed; several callers' batches
+    share them (``rl/pool_batches.py``: an off-policy step scores on its thread while the main
+    thread may evaluate)."""
 
     def __init__(self, size: int) -> None:
         self.workers = [Worker() for _ in range(size)]
         self.killed = 0  # workers killed over a limit or lost, over the pool's life
-        # one caller at a time: an off-policy step scores on its thread while the main thread
-        # may evaluate
-        self.turn = threading.Lock()
+        self.queue = BatchQueue("the scoring workers")
         self.closed = False
+        self._spawn_lock = threading.Lock()  # a replacement never starts after close's kills
         atexit.register(self.close)
 
     def run(self, calls: list[tuple[str, tuple]], timeout_s: float) -> list[Outcome]:
         """Each call's outcome, in order; every call ends within ``timeout_s`` of being sent.
-        Interrupted (a stop abandons the step), the workers still scoring are replaced: their
+        Interrupted (a stop abandons the step), its workers still scoring are replaced: their
         late replies must not answer the next step's calls."""
-        outcomes = [Outcome() for _ in calls]
-        if not self.turn.acquire(timeout=TURN_TIMEOUT_S):
-            raise RuntimeError(f"the scoring workers were busy for {TURN_TIMEOUT_S:.0f} s")
+        batch = Batch([Outcome() for _ in calls], timeout_s, deque(enumerate(calls)))
         try:
-            return self._run(calls, timeout_s, outcomes)
-        except BaseException as exc:
-            if self.closed and isinstance(exc, Exception):  # its pipes closed under it
+            return self.queue.serve(batch, self._round, self._abandon, START_TIMEOUT_S)
+        except Exception as exc:
+            if self.closed:  # its pipes closed under it
                 raise RuntimeError("the scoring pool is closed") from exc
-            for number, worker in enumerate(self.workers):
-                if worker.call is not None:
-                    self._replace(number, outcomes, None)
             raise
-        finally:
-            self.turn.release()
 
-    def _run(
-        self, calls: list[tuple[str, tuple]], timeout_s: float, outcomes: list[Outcome]
-    ) -> list[Outcome]:
-        pending = deque(enumerate(calls))
-        while pending or any(w.call for w in self.workers):
-            if self.closed:  # the job is ending (a background step may still be scoring)
-                raise RuntimeError("the scoring pool is closed")
-            for worker in self.workers:
-                if worker.ready and worker.call is None and pending:
-                    index, call = pending.popleft()
-                    worker.send(index, call, timeout_s)
-            self._wait()
-            for number, worker in enumerate(self.workers):
-                if not self._read(worker, outcomes):
-                    if self.closed:  # close() killed it
-                        raise RuntimeError("the scoring pool is closed")
-                    self._replace(number, outcomes, "the scoring worker exited")
-                    if not worker.ready:  # it cannot start: no use starting more
-                        raise RuntimeError(
-                            f"a scoring worker exited on start (code {worker.process.returncode}"
-                            "; its error is in rank 0's log)"
-                        )
-                elif worker.call is not None and worker.call[1].passed:
-                    outcomes[worker.call[0]].timed_out = True
-                    self._replace(number, outcomes, None)
-                elif not worker.ready and worker.started.passed:
+    def _round(self) -> None:
+        """Send what the free workers take, wait for a reply or a deadline, take the replies."""
+        if self.closed:  # the job is ending (a background step may still be scoring)
+            raise RuntimeError("the scoring pool is closed")
+        for worker in self.workers:
+            if worker.ready and worker.call is None and (job := self.queue.take()):
+                batch, index, call = job
+                worker.send((batch, index), call, batch.timeout_s)
+        self._wait()
+        for number, worker in enumerate(self.workers):
+            if not self._read(worker):
+                if self.closed:  # close() killed it
+                    raise RuntimeError("the scoring pool is closed")
+                self._replace(number, "the scoring worker exited")
+                if not worker.ready:  # it cannot start: no use starting more
                     raise RuntimeError(
-                        f"a scoring worker did not start within {START_TIMEOUT_S:.0f} s"
+                        f"a scoring worker exited on start (code {worker.process.returncode}"
+                        "; its error is in rank 0's log)"
                     )
-        return outcomes
+            elif worker.call is not None and worker.call[1].passed:
+                self._replace(number, None, timed_out=True)
+            elif worker.call is not None and worker.call[0][0].abandoned:
+                self._replace(number, None)  # its caller is gone: its reply must not come late
+            elif not worker.ready and worker.started.passed:
+                raise RuntimeError(f"a scoring worker did not start within {START_TIMEOUT_S:.0f} s")
+
+    def _abandon(self, batch: Batch) -> None:
+        for number, worker in enumerate(self.workers):
+            if worker.call is not None and worker.call[0][0] is batch:
+                self._replace(number, None)
 
     def _wait(self) -> None:
-        """Until a worker writes or the earliest deadline (a call's, a start's) passes."""
+        """Until a worker writes, a caller wakes the round, or the earliest deadline (a
+        call's, a start's) passes."""
         ends = [w.call[1] if w.call else w.started for w in self.workers if w.call or not w.ready]
         timeout = min((d.left() for d in ends), default=0.0)
-        select.select([w.fd for w in self.workers], [], [], timeout)
+        select.select([self.queue.wake_fd, *(w.fd for w in self.workers)], [], [], timeout)
+        self.queue.drain()
 
-    def _read(self, worker: Worker, outcomes: list[Outcome]) -> bool:
+    def _read(self, worker: Worker) -> bool:
         """Take the worker's finished frames; False when it died."""
         frames, closed = worker.frames()
         for status, value in frames:
             if status == "ready":
                 worker.ready = True
                 continue
-            index = worker.call[0]
-            outcomes[index].value = value if status == "ok" else None
-            outcomes[index].error = value if status == "error" else None
+            (batch, index), _ = worker.call
             worker.call = None
+            outcome = Outcome(value=value if status == "ok" else None)
+            outcome.error = value if status == "error" else None
+            self.queue.done(batch, index, outcome)
         return not closed
 
-    def _replace(self, number: int, outcomes: list[Outcome], error: str | None) -> None:
+    def _replace(self, number: int, error: str | None, timed_out: bool = False) -> None:
+        """Kill the worker (its call, if any, ends with ``error`` or timed out) and start
+        another in its place."""
         worker = self.workers[number]
-        if worker.call is not None and error is not None:
-            outcomes[worker.call[0]].error = error
+        if worker.call is not None:
+            (batch, index), _ = worker.call
+            worker.call = None
+            self.queue.done(batch, index, Outcome(timed_out=timed_out, error=error))
         worker.kill()
         self.killed += 1
-        if not self.closed:
-            self.workers[number] = Worker()
+        with self._spawn_lock:
+            if not self.closed:
+                self.workers[number] = Worker()
 
     def close(self) -> None:
         """Kill every worker (idempotent); a caller still scoring gets a RuntimeError."""
-        self.closed = True
-        for worker in self.workers:
+        with self._spawn_lock:
+            self.closed = True
+            workers, self.workers = self.workers, []
+        for worker in workers:
             if not worker.process.stdin.closed:
                 worker.kill()
-        self.workers = []
+        self.queue.close()

@@ -15,12 +15,16 @@ placeholder expanded to its token count, ``models/vlm_processor.py``) and the ``
 the rollout and the trainer need: the images as ``data:`` URLs with the template's ids (one
 placeholder per image: SGLang's Qwen-VL processor expands them itself) for the engine, and the
 patches and grids for the trainer. The engine's expansion is the trainer's: the rollout checks
-every reply's prompt token count against it.
+every reply's prompt token count against it. Each image's ``data:`` URL is made once for the
+job (``EngineImages``) and becomes the prompt's image part, so every request of the prompt (its
+samples, a teacher, a judge, an agentic turn) sends that one string, not checked again
+(``inference/inprocess.py``): ``rl/inputs.py`` read every image before the job started.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +40,11 @@ IMAGE_TYPES = ("image", "image_url")
 # placeholder tokens, and its /generate form's image sentinel
 # (``sglang/srt/multimodal/processors/qwen_vl.py``, ``image_token_regex``)
 MEDIA_PLACEHOLDERS = ("<|image_pad|>", "<|video_pad|>", "<|audio_pad|>", "<image>")
+# Dataset images are held to PIL's decompression-bomb bound (Image.MAX_IMAGE_PIXELS), not to
+# gateway.images: that bounds what external callers send the gateway
+MAX_PIXELS = 89_478_485
+BOUND = "dataset images are held to PIL's decompression-bomb bound: downscale it"
+ENCODED_BYTES = 2**30  # rank 0 keeps at most this much of the dataset's PNG data: URLs
 
 
 @dataclass(frozen=True)
@@ -107,12 +116,18 @@ def text_of(content: Any) -> str:
     return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
 
 
-def image_bytes(part: dict[str, Any]) -> bytes:
-    """The image file's bytes of one image part (the module docstring's sources); a ValueError
-    saying what is wrong."""
+def image_source(part: dict[str, Any]) -> Any:
+    """The image an image part names, as the row gives it (the module docstring's sources)."""
     source = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
     if isinstance(source, dict):  # {"url": ...} (OpenAI), {"bytes", "path"} (HF datasets Image)
         source = source.get("url") or source.get("bytes") or source.get("path")
+    return source
+
+
+def image_bytes(part: dict[str, Any]) -> bytes:
+    """The image file's bytes of one image part (the module docstring's sources); a ValueError
+    saying what is wrong."""
+    source = image_source(part)
     if isinstance(source, bytes | bytearray):
         return bytes(source)
     if not isinstance(source, str) or not source:
@@ -130,33 +145,107 @@ def image_bytes(part: dict[str, Any]) -> bytes:
     return path.read_bytes()
 
 
-def open_image(data: bytes) -> Any:
-    """The RGB PIL image of an image file's bytes; a ValueError when they are not an image."""
+def opened(data: bytes, decode: bool = True) -> Any:
+    """The PIL image of an image file's bytes, in its own mode; ``decode`` False: its header
+    alone (type and size, no pixels: the CLI's check, rank 0 decodes in full). A ValueError when
+    they are not an image or exceed ``MAX_PIXELS``."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
-        image.load()
+    except Image.DecompressionBombError as exc:  # above twice the bound: PIL refuses to open
+        raise ValueError(f"the image exceeds {MAX_PIXELS} pixels ({exc}); {BOUND}") from None
     except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"not an image ({exc})") from None
-    return image.convert("RGB")
+    width, height = image.size
+    if width * height > MAX_PIXELS:
+        raise ValueError(f"a {width}x{height} image exceeds {MAX_PIXELS} pixels; {BOUND}")
+    try:
+        if decode:
+            image.load()  # a truncated or corrupt file fails here, not at a draw
+    except Exception as exc:  # noqa: BLE001 - OSError, SyntaxError, EOFError, struct.error ...
+        raise ValueError(f"not an image ({exc})") from None
+    return image
 
 
-def prompt_images(prompt: Prompt) -> list[Any]:
-    """The PIL images of ``prompt``'s image parts; a ValueError naming the row and the part."""
-    images = []
+def open_image(data: bytes) -> Any:
+    """The RGB PIL image of an image file's bytes; a ValueError when they are not an image."""
+    return opened(data).convert("RGB")
+
+
+def read_images(prompt: Prompt, decode: bool = True) -> list[tuple[Any, bytes, Any]]:
+    """(source, file bytes, ``opened`` image) of each of ``prompt``'s image parts; a
+    ValueError naming the row and the part."""
+    found = []
     for where, part in image_parts(prompt.messages):
         try:
-            images.append(open_image(image_bytes(part)))
+            data = image_bytes(part)
+            found.append((image_source(part), data, opened(data, decode)))
         except ValueError as exc:
             raise ValueError(f"row {prompt.index} {where}: {exc}") from None
-    return images
+    return found
 
 
 def png_url(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def sent_as_is(source: Any, image: Any) -> bool:
+    """Whether ``source`` (its ``opened`` ``image``) already is what engines are sent: an RGB
+    PNG ``data:`` URL."""
+    is_data = isinstance(source, str) and source.startswith("data:")
+    return is_data and image.format == "PNG" and image.mode == "RGB"
+
+
+def engine_url(source: Any, image: Any) -> str:
+    """What engines are sent of an image (``source``, its ``opened`` ``image``): a PNG ``data:``
+    URL of its RGB pixels, the trainer's; never a JPEG, which SGLang decodes on a GPU with
+    nvJPEG, whose pixels are not PIL's."""
+    return source if sent_as_is(source, image) else png_url(image.convert("RGB"))
+
+
+class EngineImages:
+    """Each dataset image as the engines are sent it (``engine_url``), made once for the job:
+    a source that already is an RGB PNG ``data:`` URL is sent as it is (no copy); any other is
+    encoded at its first draw and kept, by its bytes' hash, while the kept URLs total at most
+    ``budget`` bytes (first come: a shuffled epoch finds that share of its images), later ones
+    encoded again at each draw."""
+
+    def __init__(self, budget: int = ENCODED_BYTES) -> None:
+        self.budget, self.held = budget, 0
+        self.urls: dict[bytes, str] = {}
+
+    def url(self, source: Any, data: bytes, image: Any) -> str:
+        if sent_as_is(source, image):
+            return source
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        url = self.urls.get(key)
+        if url is None:
+            url = engine_url(source, image)
+            if self.held + len(url) <= self.budget:
+                self.urls[key], self.held = url, self.held + len(url)
+        return url
+
+
+def with_urls(messages: tuple[dict[str, Any], ...], urls: list[str]) -> tuple[dict[str, Any], ...]:
+    """``messages`` with their image parts, in order, as OpenAI ``image_url`` parts of
+    ``urls``: what a rollout function, a judge and the agent client read (a chat template
+    renders either part type as the same image)."""
+    left = iter(urls)
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image_url", "image_url": {"url": next(left)}}
+                if isinstance(part, dict) and part.get("type") in IMAGE_TYPES
+                else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return tuple(out)
 
 
 class VisionEncoder:
@@ -167,21 +256,26 @@ class VisionEncoder:
         from relax_launch.models.vlm_processor import VisionProcessor  # torch, transformers
 
         self.processor = VisionProcessor(model_dir)
+        self.engine_images = EngineImages()
 
     def encode(self, prompt: Prompt) -> tuple[Prompt, list[int]]:
-        """``prompt`` with its ``images`` encoded (none: unchanged), and the trainer's ids."""
+        """``prompt`` with its ``images`` encoded and its image parts as the engine's ``data:``
+        URLs (``EngineImages``; none: unchanged), and the trainer's ids."""
         tokenizer = self.processor.tokenizer
+        found = read_images(prompt)
+        if found:
+            urls = [self.engine_images.url(*image) for image in found]
+            prompt = replace(prompt, messages=with_urls(prompt.messages, urls))
         text = tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, tokenize=False
         )
-        images = prompt_images(prompt)
-        if not images:
+        if not found:
             return prompt, tokenizer.encode(text, add_special_tokens=False)
         from relax_launch.trainer.batch import RowImages  # torch, loaded with the processor
 
-        encoded = self.processor.encode_text(text, images)
+        encoded = self.processor.encode_text(text, [image.convert("RGB") for *_, image in found])
         vision = PromptImages(
-            urls=tuple(png_url(image) for image in images),
+            urls=tuple(urls),
             engine_ids=tuple(tokenizer.encode(text, add_special_tokens=False)),
             rows=RowImages(encoded.pixel_values.float(), encoded.image_grid_thw.long()),
         )

@@ -13,10 +13,11 @@ refuses the count, 400, and SGLang's processor would never answer; a video one: 
 iterator found", 400), so such a sample is not scored (no distillation term), as an empty
 response is not.
 
-**Judge.** The judge's user message shows the prompt's images (``image_url`` parts, data URLs,
-checked against ``gateway.images`` by the in-process client) before the grading text when the
-judge model of the reward source takes images (``vision_judges``), each media placeholder the
-text spells out broken; a text judge gets the text, told how many images it was not shown.
+**Judge.** The judge's user message shows the prompt's images (``image_url`` parts, the data
+URLs the rollout sent: read before the job started, so not held to ``gateway.images``) before
+the grading text when the judge model of the reward source takes images (``vision_judges``),
+each media placeholder the text spells out broken; a text judge gets the text, told how many
+images it was not shown.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ decisions so far.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -46,7 +47,9 @@ from relax_launch.runtime.autoscale_policy import (
     Scaling,
 )
 
+log = logging.getLogger(__name__)
 READERS = 16  # engines' loads read at once
+READ_MARGIN_S = 1.0  # past a read's own timeout: its thread returning
 
 
 class Autoscaler:
@@ -106,6 +109,7 @@ class LoadAutoscaler(Autoscaler):
     ) -> None:
         super().__init__(role, scaler, manager, log_path)
         self.config, self.policy = config, LoadPolicy(config, bounds)
+        self.reader = LoadReader()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"relax-autoscaler-{role}", daemon=True
@@ -118,6 +122,7 @@ class LoadAutoscaler(Autoscaler):
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self.reader.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.interval_s):
@@ -125,7 +130,7 @@ class LoadAutoscaler(Autoscaler):
                 self.tick(self.read(), time.monotonic())
 
     def read(self) -> Load:
-        return read_loads({self.role: self.manager})[self.role]
+        return self.reader.read({self.role: self.manager})[self.role]
 
     def tick(self, load: Load, now: float) -> dict[str, Any] | None:
         """One reading: the decision taken (also logged), or None."""
@@ -196,24 +201,46 @@ def autoscaler_for(
     return kind(role, section.autoscale, section.autoscale_bounds, scaler, manager, log_path)
 
 
-def read_loads(managers: dict[str, InferenceManager], timeout_s: float = 2.0) -> dict[str, Load]:
-    """Each role's load: its serving engines' own (``/v1/loads``), every engine of every role
-    read at once, the whole reading bounded by ``timeout_s`` (an engine that has not answered
-    by then counts nothing), and the requests in flight to the role."""
-    engines = [(role, e.url) for role, m in managers.items() for e in m.serving()]
-    totals = {role: [0.0, 0.0] for role in managers}
-    if engines:
-        deadline = Deadline(timeout_s)
-        pool = ThreadPoolExecutor(max_workers=min(len(engines), READERS))
-        reads = [pool.submit(engine_load, url, timeout_s) for _, url in engines]
-        wait(reads, timeout=deadline.left())
-        pool.shutdown(wait=False, cancel_futures=True)  # a late reply is dropped, not waited on
-        for (role, _), read in zip(engines, reads, strict=True):
-            load = read.result() if read.done() and not read.cancelled() else None
-            if load is not None:
-                totals[role][0] += load.queued
-                totals[role][1] += load.running
-    return {role: Load(*totals[role], managers[role].requests.in_flight()) for role in managers}
+class LoadReader:
+    """Reads roles' loads, every engine of every role at once, on one pool of ``READERS``
+    threads kept for the reader's life (a tick starts no thread) and ended by ``close``."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="relax-load")
+        self.reads: list[Future] = []  # the last reading's (a late one may still run)
+
+    def read(self, managers: dict[str, InferenceManager]) -> dict[str, Load]:
+        """Each role's load: its serving engines' own (``/v1/loads``), the whole reading bounded
+        by ``timeout_s`` (an engine that has not answered by then counts nothing), and the
+        requests in flight to the role."""
+        engines = [(role, e.url) for role, m in managers.items() for e in m.serving()]
+        totals = {role: [0.0, 0.0] for role in managers}
+        if engines:
+            deadline = Deadline(self.timeout_s)
+            self.reads = [self.pool.submit(engine_load, url, self.timeout_s) for _, url in engines]
+            wait(self.reads, timeout=deadline.left())
+            for read in self.reads:
+                read.cancel()  # not started by the bound: dropped (a late reply is not waited on)
+            for (role, _), read in zip(engines, self.reads, strict=True):
+                load = read.result() if read.done() and not read.cancelled() else None
+                if load is not None:
+                    totals[role][0] += load.queued
+                    totals[role][1] += load.running
+        return {role: Load(*totals[role], managers[role].requests.in_flight()) for role in managers}
+
+    def close(self) -> None:
+        """End the threads: a read still running ends within its own ``timeout_s``, then they
+        are joined; one that outlives its bound is logged and left to end (its thread exits
+        with it), not waited on."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        _, late = wait(self.reads, timeout=self.timeout_s + READ_MARGIN_S)
+        if late:
+            log.warning(
+                "%d engine load reads outlived their %g s bound at close", len(late), self.timeout_s
+            )
+            return
+        self.pool.shutdown(wait=True)  # every read ended: the idle threads exit at once
 
 
 def request_and_log(scaler: Any, record: dict[str, Any], log_path: Path) -> dict[str, Any]:

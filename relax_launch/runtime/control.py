@@ -141,19 +141,21 @@ class ControlChannel:
     ) -> dict[int, Any]:
         """Run rank 0's share (``local``) if it is targeted, then wait for every other rank's
         reply; raise naming the ranks that failed or did not answer in time."""
-        n, op = posted.n, posted.command.op
         replies = {}
         if 0 in posted.ranks:
             replies[0] = _run(0, self.roles[0], local, posted.command)
         others = [r for r in posted.ranks if r != 0]
         replies.update(self._take_replies(posted, others, timeout_s or self.timeout_s))
-        failed = [r for r in replies.values() if not r.ok]
-        if failed:
-            raise RemoteError(
-                f"command #{n} {op!r} failed on "
-                + "; ".join(f"rank {r.rank} ({r.roles}): {r.error}" for r in failed)
-            )
+        _raise_failed(posted, replies.values())
         return {r: reply.value for r, reply in replies.items()}
+
+    def raise_failed(self, posted: Posted, ranks: Iterable[int]) -> None:
+        """Raise now, as ``collect`` would, the error of any of ``ranks`` (not 0) that already
+        replied to ``posted`` with one; the replies stay for ``collect``."""
+        keys = [reply_key(posted.n, r) for r in ranks]
+        _raise_failed(
+            posted, [pickle.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+        )
 
     def _take_replies(self, posted: Posted, ranks: list[int], timeout_s: float) -> dict[int, Reply]:
         keys = {r: reply_key(posted.n, r) for r in ranks}
@@ -223,6 +225,15 @@ def command_key(rank: int, index: int) -> str:
 
 def reply_key(n: int, rank: int) -> str:
     return f"control/reply/{n}/{rank}"
+
+
+def _raise_failed(posted: Posted, replies: Iterable[Reply]) -> None:
+    failed = [r for r in replies if not r.ok]
+    if failed:
+        raise RemoteError(
+            f"command #{posted.n} {posted.command.op!r} failed on "
+            + "; ".join(f"rank {r.rank} ({r.roles}): {r.error}" for r in failed)
+        )
 
 
 def _run(rank: int, roles: str, handler: Handler | None, command: Command) -> Reply:

@@ -4,11 +4,10 @@ client. Batches go beside the commands over a ``ShardChannel`` (the trainer's, o
 critic's own grid), as the trainer's do; per-token values come back from each DP rank's tp0
 rank the way logprobs do. On ranks of its own, rank 0 posts the critic's steps and goes on to
 the policy's: both train at once (``start_training``, ``finish_training``). Every mini-batch's
-shard of a DP rank travels in one transfer with the others (``CriticTrainSteps``), so rank 0 has
-as many sends in flight as for one step, whatever ``critic.mini_batches``; their buffers hold
-every mini-batch's rows joined (the bytes a queue of per-step sends would hold, in one buffer a
-DP rank), and a receiving critic rank holds every mini-batch's joined tokens at once while it
-trains them in turn.
+shard of a DP rank travels in one transfer with the others (``CriticTrainSteps``), whatever
+``critic.mini_batches``: rank 0 sends one DP rank's buffer (every mini-batch's rows joined) at a
+time and none is left on its device once the sends are done, and a receiving critic rank holds
+every mini-batch's joined tokens at once while it trains them in turn.
 
 In a colocated placement the value model lives in host memory between the trainer's turns: it
 is offloaded once built, and rank 0 moves its parts in and out within the turn
@@ -32,7 +31,7 @@ from relax_launch.runtime.control import Command, Handler, Posted
 from relax_launch.runtime.distributed import ShardChannel, Transfer
 from relax_launch.runtime.trainer_client import TrainerClient, moved_by_ranks
 from relax_launch.trainer.batch import ShardShape, TokenBatch
-from relax_launch.trainer.critic import STEP_SECONDS, Critic
+from relax_launch.trainer.critic import STEP_SECONDS, STEP_TICKETS, Critic
 from relax_launch.trainer.offload import PARTS, StateOffloader, move_parts
 
 if TYPE_CHECKING:
@@ -87,12 +86,24 @@ class OnloadCritic(Command):
     parts: tuple[str, ...]
 
 
+ORDER_KEY = "critic/order"  # the store's counter whose tickets order events across ranks
+
+
+def order_ticket(store: Any) -> int:
+    """The next ticket of the job's event counter: the store serves each add in turn, so the
+    tickets order events of any ranks without their clocks."""
+    return int(store.add(ORDER_KEY, 1))
+
+
 class CriticWorker:
     """This rank's share of the value model (``trainer/critic.py``); ``colocated``: it
-    goes to host memory once built, the engines being about to take the device."""
+    goes to host memory once built, the engines being about to take the device. ``order``:
+    on ranks of its own, the job's store, whose tickets bracket each step (``STEP_TICKETS``)."""
 
-    def __init__(self, *, critic: Any, shards: ShardChannel, colocated: bool = False) -> None:
-        self.critic, self.shards = critic, shards
+    def __init__(
+        self, *, critic: Any, shards: ShardChannel, colocated: bool = False, order: Any = None
+    ) -> None:
+        self.critic, self.shards, self.order = critic, shards, order
         self.offloader = StateOffloader(critic.model, critic.optimizer)
         if colocated:
             self.offloader.offload(PARTS)
@@ -132,10 +143,15 @@ class CriticWorker:
 
     def _train(self, shard: TokenBatch, clip: float | None, started: float) -> dict[str, float]:
         """One optimizer step, logged by the rank whose reply rank 0 reads (tp 0, dp 0), not
-        by each of the critic's ranks."""
+        by each of the critic's ranks; that rank brackets it with tickets (with ``order``)."""
         self.offloader.require("critic.train_steps", PARTS)
+        read = self.shards.rank == self.shards.result_rank(0)  # the one whose reply rank 0 reads
+        tickets = read and self.order is not None
+        began = order_ticket(self.order) if tickets else 0
         metrics = self.critic.train_step(shard, clip)
-        if self.shards.rank == self.shards.result_rank(0):  # the one whose reply rank 0 reads
+        if tickets:
+            metrics |= dict(zip(STEP_TICKETS, (began, order_ticket(self.order)), strict=True))
+        if read:
             log.info(
                 "critic step %d: value loss %.6g, clip fraction %.3g, grad norm %.4g",
                 self.critic.step,
@@ -188,17 +204,17 @@ class CriticClient(TrainerClient):
         self, batches: list[TokenBatch], value_clip: float | None
     ) -> tuple[Posted, Transfer]:
         """Post one value-model step per batch, in order, and send their shards, each DP
-        rank's joined into one (as many sends in flight as for one step); the ranks train them
-        while rank 0 goes on (``finish_training`` collects them)."""
+        rank's joined into one (sent before this returns, ``ShardChannel.start``); the ranks
+        train them while rank 0 goes on (``finish_training`` collects them)."""
         joined = joined_shards(batches, self.layout.dp_size)
         command = CriticTrainSteps(tuple(s.shape() for s in joined), len(batches), value_clip)
         posted = self.channel.post(command, self.layout.ranks)
-        return posted, self.shards.start(joined)
+        return posted, self._send_shards(posted, joined)
 
     def finish_training(self, started: tuple[Posted, Transfer]) -> list[dict[str, float]]:
         """Each started step's metrics (with ``STEP_SECONDS``), in order, waited for as long as
-        one step's bound times the steps. A failed step still waits for the shards' sends
-        (their buffers stay alive until then), then raises."""
+        one step's bound times the steps. A failed step still ends the transfer, then
+        raises."""
         posted, transfer = started
         # one command runs every mini-batch's step: the bound is one step's, as many times
         timeout_s = self.channel.timeout_s * posted.command.steps
@@ -206,7 +222,7 @@ class CriticClient(TrainerClient):
             replies = self.channel.collect(
                 posted, self.local.get(posted.command.route), timeout_s=timeout_s
             )
-        except BaseException:  # the sends end before the job's shutdown; the step's error wins
+        except BaseException:  # the transfer ends before the job's shutdown; the error wins
             with contextlib.suppress(Exception):
                 self.shards.finish(transfer)
             raise
@@ -232,7 +248,7 @@ def joined_shards(batches: list[TokenBatch], dp_size: int) -> list[TokenBatch]:
     """Per DP rank, its shard of every batch, in batch order, as one batch (what
     ``split_steps`` takes apart on that rank)."""
     per_batch = [batch.shards(dp_size) for batch in batches]
-    return [_joined([shards[dp] for shards in per_batch]) for dp in range(dp_size)]
+    return [TokenBatch.join([shards[dp] for shards in per_batch]) for dp in range(dp_size)]
 
 
 def split_steps(joined: TokenBatch, steps: int) -> list[TokenBatch]:
@@ -247,25 +263,12 @@ def split_steps(joined: TokenBatch, steps: int) -> list[TokenBatch]:
     return joined.shards(steps)
 
 
-def _joined(parts: list[TokenBatch]) -> TokenBatch:
-    def rows(name: str) -> tuple | None:
-        found = [getattr(part, name) for part in parts]
-        return None if found[0] is None else tuple(row for part in found for row in part)
-
-    return TokenBatch(
-        rows("tokens"),
-        rows("loss_mask"),
-        rows("token_weights"),
-        rows("old_logprobs"),
-        rows("routed_experts"),
-        rows("images"),
-    )
-
-
-def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> CriticWorker:
+def build_critic_worker(
+    job: JobConfig, pgc: Any, shards: ShardChannel, order: Any = None
+) -> CriticWorker:
     """This rank's share of the value model, built from ``critic.model`` (default the
     policy's) with the trainer's layout, or its own on ranks of its own
-    (``CriticConfig.trainer_section``)."""
+    (``CriticConfig.trainer_section``; ``order``: the job's store there)."""
     section = job.critic.trainer_section(job.trainer)
     critic = Critic(
         section=section,
@@ -274,4 +277,5 @@ def build_critic_worker(job: JobConfig, pgc: Any, shards: ShardChannel) -> Criti
         device=job.cluster.device,
         tp_field="critic.tp_size" if job.critic.own_ranks else "trainer.tp_size",
     )
-    return CriticWorker(critic=critic, shards=shards, colocated=job.placement.mode != "decoupled")
+    colocated = job.placement.mode != "decoupled"
+    return CriticWorker(critic=critic, shards=shards, colocated=colocated, order=order)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from relax_launch import platform
-from relax_launch.deadline import wait_until
+from relax_launch.deadline import Deadline, wait_until
 from relax_launch.placement.plan import PlacementPlan, TrainerLayout
 from relax_launch.trainer.batch import ShardShape, TokenBatch
 
@@ -100,7 +101,8 @@ def _wait(store: dist.Store, keys: list[str], timeout_s: float, what: str) -> No
 
 @dataclass
 class Transfer:
-    """Rank 0's sends and receives of one command, in flight until ``ShardChannel.finish``."""
+    """Rank 0's receives of one command's results, posted until ``ShardChannel.finish`` (its
+    sends completed in ``ShardChannel.start``)."""
 
     works: list[Any] = field(default_factory=list)
     results: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (source rank, buffer)
@@ -118,8 +120,17 @@ class ShardChannel:
     Every receive is a torch.distributed op, under the process group's timeout.
     """
 
-    def __init__(self, layout: TrainerLayout, rank: int, device: str, peers: Any | None) -> None:
+    def __init__(
+        self,
+        layout: TrainerLayout,
+        rank: int,
+        device: str,
+        peers: Any | None,
+        pixel_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.layout, self.rank, self.device, self.peers = layout, rank, device, peers
+        # images travel in the dtype the vision tower computes in (it casts them to it anyway)
+        self.pixel_dtype = pixel_dtype
         self.held: dict[str, Any] = {}  # rank 0's own shard and result
         self.received_bytes = 0  # what this rank has taken in as a trainer rank
 
@@ -133,17 +144,33 @@ class ShardChannel:
     def dp_rank(self) -> int:
         return self.layout.coordinates(self.rank)[1]
 
-    def start(self, shards: list[TokenBatch], results: bool = False) -> Transfer:
-        """Rank 0: send each DP rank's shard to its first rank; with ``results``, post the
-        receives of each DP rank's per-token values (before the ranks compute them)."""
-        transfer = Transfer()
+    def start(
+        self,
+        shards: list[TokenBatch],
+        results: bool = False,
+        *,
+        failed: Callable[[int], object],
+        timeout_s: float,
+    ) -> Transfer:
+        """Rank 0: send each DP rank's shard to its first rank, one DP rank at a time, each
+        shard's sends completed before the next shard's device copy is made: rank 0's device
+        holds at most one other DP rank's shard, and none once ``start`` returns (before its own
+        step). The receivers take them at once: every first rank is in ``receive`` as the
+        command starts, and rank 0's own peers wait in their broadcast, which none of these
+        sends needs. A first rank that fails before its receive never takes its shard but
+        replies with its error: ``failed(rank)`` raises it if so (``ControlChannel.raise_failed``),
+        polled while its sends wait; they all complete within ``timeout_s``, or this raises.
+        With ``results``, post the receives of each DP rank's per-token values
+        (before the ranks compute them), after that rank's sends: point-to-point ops with one
+        peer run in order on one NCCL stream, so a receive posted first would hold the sends
+        behind it. They stay posted until ``finish``."""
+        transfer, deadline = Transfer(), Deadline(timeout_s)
         for dp, shard in enumerate(shards):
-            first, tensors = self.first_rank(dp), shard.pack()
+            first = self.first_rank(dp)
             if first == self.rank:
-                self.held["shard"] = tensors
+                self.held["shard"] = shard.pack(self.pixel_dtype)
             else:
-                for tensor in tensors:
-                    transfer.works.append(dist.isend(tensor.to(self.device), dst=first))
+                self._send(shard.pack(self.pixel_dtype), first, deadline, failed)
             if results:
                 shape, source = shard.shape(), self.result_rank(dp)
                 buffer = torch.empty(shape.tokens - shape.sequences, device=self.device)
@@ -152,8 +179,31 @@ class ShardChannel:
                 transfer.results.append((source, buffer))
         return transfer
 
+    def _send(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        dst: int,
+        deadline: Deadline,
+        failed: Callable[[int], object],
+    ) -> None:
+        """Send ``tensors`` to ``dst`` from device copies, freed once the sends completed.
+        Given up on (``dst`` failed), the sends stay posted, their copies held by the process
+        group: the job is failing anyway. Rank 0's program raises ``dst``'s error, the job
+        records it as its cause and ends (``job.report_failure``), and the group's teardown (or
+        NCCL's watchdog, at the group's timeout) drops them."""
+        copies = [tensor.to(self.device) for tensor in tensors]
+        works = [dist.isend(copy, dst=dst) for copy in copies]
+        device = torch.device(self.device)
+        if not platform.wait_sent(works, device, deadline.left(), lambda: failed(dst)):
+            raise TimeoutError(
+                f"rank {self.rank}: rank {dst} did not receive its shard within "
+                f"{deadline.timeout_s:.0f} s (cluster.collective_timeout_s) of the command's "
+                "start, nor reply with an error: it is busy or hung (see its log)"
+            )
+
     def finish(self, transfer: Transfer) -> list[torch.Tensor]:
-        """Rank 0: wait for the transfer; each DP rank's per-token values, if asked for."""
+        """Rank 0: wait for the transfer's receives; each DP rank's per-token values, if asked
+        for."""
         for work in transfer.works:
             work.wait()
         return [
@@ -167,7 +217,7 @@ class ShardChannel:
         if self.rank == first == CONTROLLER:
             tensors = tuple(t.to(self.device) for t in self.held.pop("shard"))
         else:
-            tensors = shape.empty(self.device)
+            tensors = shape.empty(self.device, self.pixel_dtype)
             if self.rank == first:
                 for tensor in tensors:
                     dist.recv(tensor, src=CONTROLLER)

@@ -56,6 +56,7 @@ from relax_launch.runtime.watchdog import JobWatchdog, describe_rank, store_lost
 from relax_launch.runtime.weight_sync import AdapterServing
 from relax_launch.runtime.workers import TrainerWorker
 from relax_launch.trainer.lora import peft_config
+from relax_launch.trainer.model import DTYPES
 from relax_launch.trainer.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def build_workers(
         clock.mark("trainer built")
     if "critic" in roles:  # PPO's value model on ranks of its own
         platform.use_threads(job.cluster.device, cpu_threads(job, plan, rank, "critic"))
-        workers.append(build_critic_worker(job, *critic))
+        workers.append(build_critic_worker(job, *critic, order=store))  # its steps' tickets
         clock.mark("critic built")
     for engine in (e for e in engines if e.running and not job.starts_staggered):
         engine.wait_ready(job.cluster.startup_timeout_s)
@@ -235,7 +236,9 @@ def build_rank(
         tp_rank = mine.tp.rank() if mine is not None else 0
         platform.prepare_megatron(job.cluster.device, job.trainer.seed, tp_rank)
     device = platform.torch_device(job.cluster.device, plan.ranks[rank].local_rank)
-    shards = ShardChannel(plan.trainer, rank, device, pgc.shard_peers if pgc else None)
+    peers = pgc.shard_peers if pgc else None
+    # the vision tower computes in the trainer's dtype: images travel in it (``ShardChannel``)
+    shards = ShardChannel(plan.trainer, rank, device, peers, DTYPES[job.trainer.dtype])
     critic_shards = None
     if plan.critic is not None:
         peers = critic_pgc.shard_peers if critic_pgc else None

@@ -144,12 +144,7 @@ class ParityProbe:
             return text
         count = len(self.sequences)
         image = TokenBatch.next_token([self.image.ids] * count, [1] * count)
-        return TokenBatch(
-            text.tokens + image.tokens,
-            text.loss_mask + image.loss_mask,
-            text.token_weights + image.token_weights,
-            images=(None,) * count + (self.image.images,) * count,
-        )
+        return TokenBatch.join([text, replace(image, images=(self.image.images,) * count)])
 
     def _submit(
         self, version: int, targets: list[ProbeTarget], control: EngineControl

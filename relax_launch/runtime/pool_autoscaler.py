@@ -4,7 +4,7 @@ it reads each pool role's demand (the requests its serving engines report queued
 or the requests in flight to them when more; the requests answered so far; whether a rollout
 phase runs, from ``Session.rollout_phase``) and the pool's free ranks, and asks the
 ``EngineScaler`` for the policy's moves as the API would. The engines of every role are read
-at once within one bound (``autoscaler.read_loads``), the pool's holders from the scaler's one
+at once within one bound (``autoscaler.LoadReader``), the pool's holders from the scaler's one
 answer (``EngineScaler.pool``). A role's start cost is ``start_estimate_s`` until a scale-out of
 it has measured one (a rollout engine's first weight sync included; the scaler's index of its
 newest succeeded operation, ``EngineScaler.succeeded``).
@@ -27,7 +27,7 @@ from relax_launch.inference.manager import InferenceManager
 from relax_launch.placement.config import SpareAutoscaleConfig
 from relax_launch.rl.interfaces import RolloutWork
 from relax_launch.runtime.autoscale_policy import Load
-from relax_launch.runtime.autoscaler import read_loads, request_and_log
+from relax_launch.runtime.autoscaler import LoadReader, request_and_log
 from relax_launch.runtime.pool_policy import (
     Move,
     PoolPolicy,
@@ -56,6 +56,7 @@ class PoolAutoscaler:
         self.start_s = dict.fromkeys(self.roles, config.start_estimate_s)
         self.in_phase = False  # a rollout phase runs
         self.decisions = 0
+        self.reader = LoadReader()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="relax-pool-autoscaler", daemon=True)
 
@@ -66,6 +67,7 @@ class PoolAutoscaler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self.reader.close()
 
     @contextmanager
     def phase(self, requests: int) -> Iterator[RolloutWork]:
@@ -83,7 +85,7 @@ class PoolAutoscaler:
 
     def view(self, now: float) -> PoolView:
         """What the policy sees now (every pool role's engines read at once)."""
-        read = read_loads({role: self.managers[role] for role in self.roles})
+        read = self.reader.read({role: self.managers[role] for role in self.roles})
         pool = self.scaler.pool()
         roles = tuple(self._role(role, read[role], pool) for role in self.roles)
         loads = {r.role: r.outstanding for r in roles}
@@ -142,7 +144,10 @@ class PoolAutoscaler:
             **move.evidence,
         }
         self.decisions += 1
-        return request_and_log(self.scaler, record, self.log_path)
+        record = request_and_log(self.scaler, record, self.log_path)
+        if "refused" not in record:  # the policy learns only the moves the scaler took
+            self.policy.accepted(move, view.now)
+        return record
 
 
 def _held(pool: PoolRecord | None, role: str) -> int:

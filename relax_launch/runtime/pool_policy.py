@@ -23,7 +23,11 @@ from a role that holds pool engines and has been idle for ``hold_s`` (the hyster
 between two bursts keeps its engines), when what the donor loses is ``min_gain_s`` below what
 the recipient gains. A rollout donor loses nothing when its engines can start again before its
 next phase (the gap between its phases, measured); a load donor loses nothing (its next burst
-asks again, and pays that start then). One operation per role at a time, as ``EngineScaler``.
+asks again, and pays that start then). A donor takes pool ranks again no sooner than one start
+of its engine after it gave them (a move back pays that start: the readings calling for it must
+span as long, so one reading that jumps moves nothing back); a give counts once the scaler
+accepted it (``accepted``): one refused freed nothing and holds the donor back from nothing.
+One operation per role at a time, as ``EngineScaler``.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class RoleEstimate:
     phase_engine_s: float | None = None  # the last rollout phase's engines x body seconds
     phase_ended: float | None = None
     gap_s: float | None = None  # seconds from a rollout phase's end to the next one's start
+    gave_at: float | None = None  # when it last gave pool ranks to another role
 
 
 class PoolPolicy:
@@ -124,7 +129,13 @@ class PoolPolicy:
             if not r.busy and r.engines < r.most and (r.outstanding > 0 or r.role == ROLLOUT)
         }
         ranked = sorted(
-            (g for g in gains.values() if g is not None and g[1] >= self.config.min_gain_s),
+            (
+                g
+                for g in gains.values()
+                if g is not None
+                and g[1] >= self.config.min_gain_s
+                and self._settled(g[0], view.now)
+            ),
             key=lambda g: (g[0].role == self.promised, g[1], view.waiting_on == g[0].role),
             reverse=True,
         )
@@ -140,6 +151,23 @@ class PoolPolicy:
                 self.promised = role.role
                 return [donor]
         return []
+
+    def accepted(self, move: Move, now: float) -> None:
+        """The scaler took ``move`` (one ``decide`` returned) at ``now``: a scale-in is a give
+        from then on (``_settled``), a scale-out ends the role's last one. Told by the shell
+        (``PoolAutoscaler``, the simulator), as a refused move must not count."""
+        est = self.estimates.setdefault(move.role, RoleEstimate())
+        est.gave_at = now if move.direction == "scale_in" else None
+
+    def _settled(self, role: RoleView, now: float) -> bool:
+        """Whether ``role`` may take pool ranks: one that gave ranks away takes ranks again no
+        sooner than one start of its engine (``start_s``, as measured) after the give. A move
+        back pays that start: the readings that call for it must span at least as long as it
+        costs (rent or buy: at most twice the best move in hindsight), so a reading that jumps
+        once (a judge's answers coming in groups, breaking the promise of the freed ranks)
+        moves nothing back."""
+        gave_at = self.estimates[role.role].gave_at
+        return gave_at is None or now - gave_at >= role.start_s
 
     # ---- what the readings teach ---------------------------------------------------------
 

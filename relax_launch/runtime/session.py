@@ -22,7 +22,7 @@ from relax_launch.runtime.autoscaler import Autoscaler, PhaseAutoscaler, autosca
 from relax_launch.runtime.colocation import build_coordinator
 from relax_launch.runtime.control import Command, ControlChannel, Handler, Shutdown
 from relax_launch.runtime.critic_turns import CriticMode, CriticTurns
-from relax_launch.runtime.critic_worker import CriticClient
+from relax_launch.runtime.critic_worker import CriticClient, order_ticket
 from relax_launch.runtime.distributed import ShardChannel
 from relax_launch.runtime.lifecycle import LifecycleCoordinator
 from relax_launch.runtime.pool_autoscaler import PoolAutoscaler
@@ -264,6 +264,11 @@ class Session:
 
     def finish_critic(self, started: Any) -> list[dict[str, float]]:
         return self._critic().finish_training(started)
+
+    def order_ticket(self) -> int:
+        """The next ticket of the job's event counter, which the critic's ranks draw from too
+        (``critic_worker.order_ticket``)."""
+        return order_ticket(self.channel.store)
 
     def _critic(self) -> CriticClient:
         if self.critic is None:

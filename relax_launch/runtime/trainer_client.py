@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from relax_launch.placement.plan import TrainerLayout
-from relax_launch.runtime.control import Command, ControlChannel, Handler
-from relax_launch.runtime.distributed import ShardChannel
+from relax_launch.runtime.control import Command, ControlChannel, Handler, Posted
+from relax_launch.runtime.distributed import ShardChannel, Transfer
 from relax_launch.runtime.rank_commands import (
     ExportTrainer,
     LoadTrainer,
@@ -97,9 +97,20 @@ class TrainerClient:
     ) -> tuple[dict[int, Any], list[Any]]:
         """Post ``command``, send the shards while the ranks take it, collect the replies."""
         posted = self.channel.post(command, self.layout.ranks)
-        transfer = self.shards.start(shards, results)
+        transfer = self._send_shards(posted, shards, results)
         replies = self.channel.collect(posted, self.local.get(command.route))
         return replies, self.shards.finish(transfer)
+
+    def _send_shards(
+        self, posted: Posted, shards: list[TokenBatch], results: bool = False
+    ) -> Transfer:
+        """Send ``posted``'s shards (``ShardChannel.start``); a receiving rank that replies
+        with its error meanwhile raises it at once, not once its send timed out."""
+
+        def failed(rank: int) -> None:
+            self.channel.raise_failed(posted, [rank])
+
+        return self.shards.start(shards, results, failed=failed, timeout_s=self.channel.timeout_s)
 
     def _last_stage_rank(self) -> int:
         return self.layout.pp_stage_source(self.layout.pp_size - 1)

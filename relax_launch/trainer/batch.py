@@ -18,7 +18,9 @@ import torch
 @dataclass(frozen=True)
 class RowImages:
     """One sequence's images, in the order of its image placeholder tokens: their patches
-    float32 [patches, channels x temporal x patch²] and patch grids int64 [images, 3] (t, h, w)."""
+    [patches, channels x temporal x patch²] (float32 as the prompts make them; unpacked on a
+    trainer rank, in the pixel dtype they travelled in, ``TokenBatch.pack``) and patch grids
+    int64 [images, 3] (t, h, w)."""
 
     pixel_values: torch.Tensor
     grids: torch.Tensor
@@ -56,15 +58,18 @@ class ShardShape:
     def fields(self) -> int:
         return 3 if self.old_logprobs else 2
 
-    def empty(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-        """Buffers a packed batch of this shape is received into (a third for the patches)."""
+    def empty(
+        self, device: torch.device | str = "cpu", pixel_dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, ...]:
+        """Buffers a packed batch of this shape is received into (a third for the patches, in
+        the ``pixel_dtype`` they were packed in)."""
         ids = self.sequences + self.tokens + self.routed + self.vision
         out = (
             torch.empty(ids, dtype=torch.long, device=device),
             torch.empty(self.fields, self.tokens, dtype=torch.float32, device=device),
         )
         if self.patch_dim:
-            patches = torch.empty(self.patches, self.patch_dim, dtype=torch.float32, device=device)
+            patches = torch.empty(self.patches, self.patch_dim, dtype=pixel_dtype, device=device)
             out += (patches,)
         return out
 
@@ -134,6 +139,29 @@ class TokenBatch:
         size = len(self) // count
         return [self.select(range(i * size, (i + 1) * size)) for i in range(count)]
 
+    @classmethod
+    def join(cls, parts: list[TokenBatch]) -> TokenBatch:
+        """``parts``' rows, in order, as one batch (``shards``' inverse). Rows of a text-only
+        part get no images beside a part with images; old logprobs and routed experts, which
+        have no such stand-in, must be on every part or on none."""
+        if not parts:
+            raise ValueError("no batches to join")
+
+        def rows(name: str) -> tuple | None:
+            found = [getattr(part, name) for part in parts]
+            if all(f is None for f in found):
+                return None
+            if name == "images":  # a text-only part's rows: no images
+                found = [
+                    (None,) * len(p) if f is None else f for p, f in zip(parts, found, strict=True)
+                ]
+            elif any(f is None for f in found):
+                raise ValueError(f"joined batches must all carry {name}, or none of them")
+            return tuple(chain.from_iterable(found))
+
+        fields = ("tokens", "loss_mask", "token_weights", "old_logprobs", "routed_experts")
+        return cls(*(rows(name) for name in fields), images=rows("images"))
+
     def _images(self) -> list[RowImages]:
         return [row for row in self.images or () if row is not None]
 
@@ -150,9 +178,9 @@ class TokenBatch:
             patch_dim=images[0].pixel_values.shape[1] if images else 0,
         )
 
-    def pack(self) -> tuple[torch.Tensor, ...]:
-        """The batch as two flat tensors, no padding, and a third of patches when it has
-        images (see ``ShardShape``)."""
+    def pack(self, pixel_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+        """The batch as two flat tensors, no padding, and a third of patches in ``pixel_dtype``
+        when it has images (see ``ShardShape``)."""
         lengths = [len(t) for t in self.tokens]
         ids = torch.tensor(list(chain(lengths, *self.tokens)), dtype=torch.long)
         if self.routed_experts:
@@ -166,7 +194,7 @@ class TokenBatch:
             return ids, values
         counts = torch.tensor([0 if r is None else len(r.grids) for r in self.images or ()])
         grids = [r.grids.reshape(-1).long() for r in images]
-        pixels = torch.cat([r.pixel_values.float() for r in images])
+        pixels = torch.cat([r.pixel_values.to(pixel_dtype) for r in images])
         return torch.cat([ids, counts, *grids]), values, pixels
 
     @classmethod

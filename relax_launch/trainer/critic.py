@@ -43,6 +43,9 @@ from relax_launch.trainer.trainer import save_durably
 # a critic step's reply: how long it took on the critic's rank (seconds, its own clock: a
 # duration, so that rank 0 compares it with its own without the machines' clocks meeting)
 STEP_SECONDS = "critic/step_seconds"
+# on ranks of its own: the job's event tickets taken just before and after the step (the store
+# orders them with the policy's, clock-free: ``rl/critic_step.py::critic_metrics``)
+STEP_TICKETS = ("critic/step_began", "critic/step_ended")
 
 
 class ValueHead(torch.nn.Module):

@@ -32,6 +32,7 @@ from relax_launch.trainer.offload import PARTS, StateOffloader, kept_on, move_pa
 from relax_launch.trainer.policy import bare_module, build_policy
 from relax_launch.trainer.step_metrics import batch_metrics, beyond_bounds
 from relax_launch.trainer.vlm_batches import add_vision_inputs
+from relax_launch.trainer.vlm_model import VisionLayout
 from relax_launch.trainer.vlm_policy import VLMExport
 
 
@@ -383,5 +384,9 @@ def evaluating(model: Any) -> Iterator[Any]:
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    """A micro-batch's tensor on ``device``; anything else (a list read on the CPU) as it is."""
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    """A micro-batch's tensor (or a VLM's ``VisionLayout``, or its images' patches: a tuple of
+    views of the received shard, already there) on ``device``; anything else (a list read on
+    the CPU) as it is."""
+    if isinstance(value, tuple):
+        return tuple(_to(part, device) for part in value)
+    return value.to(device) if isinstance(value, torch.Tensor | VisionLayout) else value

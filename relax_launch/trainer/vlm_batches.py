@@ -19,7 +19,7 @@ import torch
 
 from relax_launch.trainer.batch import TokenBatch
 from relax_launch.trainer.vlm_conversion import VLShape
-from relax_launch.trainer.vlm_model import mrope_positions, spans_of
+from relax_launch.trainer.vlm_model import mrope_positions, spans_of, vision_layout
 
 NO_IMAGES = torch.zeros(0, 3, dtype=torch.long)
 
@@ -29,7 +29,8 @@ def add_vision_inputs(
 ) -> None:
     """Give each micro-batch of ``shard`` (padded or packed) its multimodal positions, its
     ``sequence_spans`` (None: one sequence per row) and, when its sequences show images,
-    ``pixel_values``, ``image_grid_thw`` and ``image_mask`` (the model's keyword arguments)."""
+    ``pixel_values``, ``image_grid_thw``, ``image_mask`` and ``image_layout`` (the tower's
+    ``VisionLayout``, from the grids here on the CPU) (the model's keyword arguments)."""
     for batch in batches:
         _add_positions(batch, shard, shape)
         batch["sequence_spans"] = spans_of(batch["positions"])  # on the CPU: no host sync
@@ -59,9 +60,10 @@ def _add_positions(batch: dict, shard: TokenBatch, shape: VLShape) -> None:
     batch["positions"] = positions
     if shown:
         _check_image_tokens(mask, shown, shape)
-        batch["pixel_values"] = torch.cat([row.pixel_values for row in shown])
+        batch["pixel_values"] = tuple(row.pixel_values for row in shown)  # joined in forward
         batch["image_grid_thw"] = torch.cat([row.grids for row in shown])
         batch["image_mask"] = mask
+        batch["image_layout"] = vision_layout(batch["image_grid_thw"], shape)
 
 
 def _sequences(batch: dict[str, torch.Tensor], shard: TokenBatch) -> list[tuple[int, int, int]]:
@@ -94,10 +96,36 @@ def image_tokens(ids: torch.Tensor, grids: torch.Tensor, shape: VLShape) -> torc
     return placeholders & (placeholders.cumsum(0) <= count)
 
 
-VISION_ARGUMENTS = ("pixel_values", "image_grid_thw", "image_mask", "sequence_spans")
+VISION_ARGUMENTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_mask",
+    "image_layout",
+    "sequence_spans",
+)
 
 
 def vision_arguments(batch: dict[str, Any]) -> dict[str, Any]:
     """The vision-language model's keyword arguments of one micro-batch: its images (none for a
     text-only one) and its sequence spans; none for a text policy's micro-batch."""
-    return {k: batch[k] for k in VISION_ARGUMENTS if k in batch}
+    out = {k: batch[k] for k in VISION_ARGUMENTS if k in batch}
+    if "pixel_values" in out:
+        out["pixel_values"] = joined_pixels(out["pixel_values"])
+    return out
+
+
+def joined_pixels(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A micro-batch's sequences' patches end to end, as its forward takes them. A micro-batch
+    keeps them as views of the shard's received buffer and joins them only here, one
+    micro-batch at a time, so a trainer rank holds a step's pixel values once: a view of that
+    buffer where they lie there in this order (consecutive sequences), else a copy for this
+    forward (a token budget's or packing's length-sorted micro-batches)."""
+    first = parts[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for part in parts:
+        same = part.untyped_storage().data_ptr() == storage and part.is_contiguous()
+        if not same or part.storage_offset() != offset:
+            return torch.cat(parts)
+        offset += part.numel()
+    rows = sum(len(part) for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())

@@ -24,6 +24,7 @@ attention (``trainer/attention.py``) never crosses from one to the next.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,63 @@ def _next_placeholder(placeholders: list[bool], start: int) -> int:
         return len(placeholders)
 
 
+@dataclass(frozen=True)
+class VisionLayout:
+    """What the vision tower derives from the images' grids: each patch's rotary (h, w), the
+    patches' order in attention windows and the bounds of each image's and each window's
+    patches. transformers derives them from ``grid_thw`` on every forward with ``.tolist()``
+    and data-dependent ops (``repeat_interleave``, ``unique_consecutive``, host-built indices
+    copied over), and each SDPA block reads its bounds back again: host syncs that stall the
+    stream, when the grids are on the device. Computed once a micro-batch from the grids on
+    the CPU (``vision_layout``), the tower reads none (docs/vlm.md#trainer-model)."""
+
+    position_ids: torch.Tensor  # [patches, 2]
+    window_index: torch.Tensor  # [merged patches]
+    cu_seqlens: torch.Tensor  # [frames + 1]: the full-attention blocks' bounds
+    cu_window_seqlens: torch.Tensor  # [windows + 1]: the window-attention blocks'
+
+    def to(self, device: torch.device | str) -> VisionLayout:
+        """On ``device``: what the tower computes with. The bounds stay on the CPU, where its
+        SDPA attention reads them (to split the patches into images or windows)."""
+        return replace(
+            self,
+            position_ids=self.position_ids.to(device),
+            window_index=self.window_index.to(device),
+        )
+
+
+def vision_config(shape: VLShape) -> Any:
+    """transformers' config of the tower of ``shape``."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(vision_config=shape.vision).vision_config
+
+
+def vision_layout(grids: torch.Tensor, shape: VLShape) -> VisionLayout:
+    """The VisionLayout of images of patch grids ``grids`` ([images, 3]: t, h, w; on the CPU),
+    by transformers' own functions (what its tower's forward computes)."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_position_ids,
+        get_vision_window_index,
+    )
+
+    # the config's fields or the class's defaults: building the config takes tens of ms
+    window, patch = (
+        shape.vision.get(name, getattr(Qwen2_5_VLVisionConfig, name))
+        for name in ("window_size", "patch_size")
+    )
+    merge = shape.spatial_merge_size
+    window_index, cu_window_seqlens = get_vision_window_index(grids, merge, window, patch)
+    return VisionLayout(
+        position_ids=get_vision_position_ids(grids, merge),
+        window_index=window_index,
+        cu_seqlens=get_vision_cu_seqlens(grids),
+        cu_window_seqlens=cu_window_seqlens,
+    )
+
+
 FROM_POSITIONS = "from position_ids"  # the forward's sequence_spans, unset
 
 
@@ -107,10 +165,18 @@ class VisionLanguageModel(torch.nn.Module):
     def set_input_tensor(self, tensor: Any) -> None:
         self.language.set_input_tensor(tensor)
 
-    def image_features(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        """The merged features [image tokens, hidden] of the images' patches, in order."""
+    def image_features(
+        self, pixel_values: torch.Tensor, grids: torch.Tensor, layout: VisionLayout | None
+    ) -> torch.Tensor:
+        """The merged features [image tokens, hidden] of the images' patches, in order.
+        ``layout``: the grids' (``vision_layout``, on the patches' device); None: computed from
+        ``grids`` read back to the host (a host sync: not training's)."""
+        if layout is None:
+            layout = vision_layout(grids.cpu(), self.shape).to(pixel_values.device)
         dtype = next(self.vision.parameters()).dtype
-        return self.vision(pixel_values.to(dtype), grid_thw=grids).pooler_output
+        # the tower takes what it would compute from grid_thw as keyword arguments
+        tower = self.vision(pixel_values.to(dtype), grid_thw=grids, **vars(layout))
+        return tower.pooler_output
 
     def forward(
         self,
@@ -121,19 +187,21 @@ class VisionLanguageModel(torch.nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
+        image_layout: VisionLayout | None = None,
         sequence_spans: Spans | None | str = FROM_POSITIONS,
     ) -> torch.Tensor:
         """Per-token losses [batch, sequence] (-logprob of ``labels``), or the logits (this TP
         rank's vocabulary slice) without labels. ``position_ids`` [3, batch, sequence], each
         sequence's from 0 (packed rows: several per row). ``image_mask`` [batch, sequence]:
         the tokens the image features replace (unset: every image placeholder).
+        ``image_layout``: the images' ``VisionLayout`` (unset: read from ``image_grid_thw``).
         ``sequence_spans``: each row's (start, end) of its sequences, None for one a row
         (``attention.sequence_spans``; the trainer's micro-batches read them on the CPU,
         ``vlm_batches.add_vision_inputs``); unset, they are read from ``position_ids``, a
         host sync."""
         embeddings = self.language.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
-            features = self.image_features(pixel_values, image_grid_thw)
+            features = self.image_features(pixel_values, image_grid_thw, image_layout)
             if image_mask is not None:  # counted on the CPU (vlm_batches.add_vision_inputs)
                 placeholders = image_mask.bool()
             else:
@@ -169,7 +237,6 @@ def build_vlm_module(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
     )
@@ -196,9 +263,8 @@ def build_vlm_module(
         pg_collection=pgc,
     )
     use_exact_cross_entropy(language)
-    vision_config = Qwen2_5_VLConfig(vision_config=shape.vision).vision_config
     vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-        vision_config, attn_implementation="sdpa", dtype=DTYPES[section.dtype]
+        vision_config(shape), attn_implementation="sdpa", dtype=DTYPES[section.dtype]
     )
     return VisionLanguageModel(language, vision, shape).to(device)
 

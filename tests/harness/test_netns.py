@@ -127,7 +127,7 @@ def test_exit_kills_processes_that_left_their_parent():
         )
         orphan = int(shell.communicate(timeout=RUN_TIMEOUT_S)[0])
         assert shell.returncode == 0 and not gone(orphan)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # only a hang: the kernel kills it at once
     while not gone(orphan) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(orphan), f"sleep {orphan} outlived its namespace"

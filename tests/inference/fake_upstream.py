@@ -14,11 +14,17 @@ from typing import Any
 
 import uvicorn
 
+from relax_launch.deadline import Deadline
+
+HOLD_S = 300  # a held request's bound: only a test that never releases it reaches this
 SSE_CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b": "\xc3\xa9"}\n', b"\n", b"data: [DONE]\n\n"]
 
 
 class FakeUpstream:
-    """``mode``: ok | slow | fail_after_first | hang_after_first | error_400 | score."""
+    """``mode``: ok | held | fail_after_first | hang_after_first | error_400 | score.
+    ``held``: each request stays in flight until ``release()`` or the next ``reset`` (not for
+    a fixed time: on a loaded machine that may end before the test did what must happen while
+    the request is in flight)."""
 
     def __init__(self, port: int = 0) -> None:
         self.mode = "ok"
@@ -26,6 +32,7 @@ class FakeUpstream:
         self.disconnects = 0
         self.answered = 0  # whole (non-streamed) replies sent
         self.lock = threading.Lock()
+        self.released = threading.Event()
         self.server = uvicorn.Server(
             uvicorn.Config(
                 self.app,
@@ -40,7 +47,7 @@ class FakeUpstream:
 
     def start(self) -> FakeUpstream:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # only a hang: a loaded machine starts it late
         while not self.server.started:
             assert time.monotonic() < deadline and self.thread.is_alive(), "fake upstream down"
             time.sleep(0.01)
@@ -52,12 +59,19 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
+        self.release()  # a request held by a test that failed before its release ends now
         self.server.should_exit = True
         self.thread.join(10)
 
     def reset(self, mode: str = "ok") -> None:
         with self.lock:
             self.mode, self.requests, self.disconnects, self.answered = mode, [], 0, 0
+            self.released.set()  # those held before
+            self.released = threading.Event()
+
+    def release(self) -> None:
+        """Answer the requests held (mode ``held``), and those that come later."""
+        self.released.set()
 
     async def app(self, scope, receive, send) -> None:
         body = b""
@@ -70,8 +84,10 @@ class FakeUpstream:
         with self.lock:
             self.requests.append({"path": scope["path"], "headers": headers, "body": body})
         payload = json.loads(body or b"{}")
-        if self.mode == "slow":
-            await asyncio.sleep(5)
+        if self.mode == "held":
+            released, held = self.released, Deadline(HOLD_S)
+            while not released.is_set() and not held.passed:
+                await asyncio.sleep(0.01)
         if self.mode == "error_400":
             return await self._reply(send, 400, b'{"error": "bad sampling"}', "application/json")
         if payload.get("stream"):

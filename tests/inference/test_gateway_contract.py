@@ -177,7 +177,7 @@ def test_client_disconnect_closes_the_upstream_stream(gateway_over, upstream):
     with gateway_over("teacher") as (url, _):
         with httpx.stream("POST", f"{url}/teacher/generate", json={**GEN, "stream": True}) as r:
             assert next(r.iter_raw()) == SSE_CHUNKS[0]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # only a hang: it closes at once
         while upstream.disconnects == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert upstream.disconnects == 1 and len(upstream.requests) == 1
@@ -190,7 +190,7 @@ def test_stream_deadline_closes_the_upstream(gateway_over, upstream):
         body = {**GEN, "stream": True}
         with httpx.stream("POST", f"{url}/teacher/generate", json=body, timeout=30) as r:
             received = b"".join(r.iter_raw())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # only a hang: it closes at once
         while upstream.disconnects == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert received == SSE_CHUNKS[0]
@@ -198,10 +198,11 @@ def test_stream_deadline_closes_the_upstream(gateway_over, upstream):
 
 
 def test_timeout_is_504_and_unreachable_engine_is_502(gateway_over, upstream):
-    upstream.reset("slow")
+    upstream.reset("held")
     with gateway_over("teacher", request_timeout_s=1.0) as (url, _):
-        reply = httpx.post(f"{url}/teacher/generate", json=GEN, timeout=10)
+        reply = httpx.post(f"{url}/teacher/generate", json=GEN, timeout=30)
         assert reply.status_code == 504 and "did not answer" in reply.text
+    upstream.release()
     dead = make_manager("teacher", ["http://127.0.0.1:9"])
     with serve({"teacher": dead}) as url:
         reply = httpx.post(f"{url}/teacher/generate", json=GEN)

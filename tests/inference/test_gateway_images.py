@@ -1,7 +1,9 @@
 """Images in generation requests (gateway.images), against a real gateway over the scripted
 upstream: every refusal is a 400 in the OpenAI error form before any engine is contacted; an
 accepted image reaches the engine as a data URL of its real type, local files read by the
-gateway only under allowed_dirs; the controller's in-process client checks the same."""
+gateway only under allowed_dirs. The controller's in-process client holds only the images user
+code made (a rollout function's tool) to the same limits; its own dataset images, read before the
+job started, go as they are."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pydantic import ValidationError
 from relax_launch.inference.client import InferenceError
 from relax_launch.inference.config import GatewayConfig
 from relax_launch.inference.image_config import ImageLimits
-from relax_launch.inference.images import ImagePolicy
+from relax_launch.inference.images import ImagePolicy, ImageRefused
 from relax_launch.inference.inprocess import EngineClients
 
 
@@ -240,21 +242,78 @@ def test_a_judge_prompt_spelling_out_a_placeholder_is_refused_naming_the_count(u
     assert error.value.status == 400 and upstream.requests == []
 
 
-def test_the_in_process_client_checks_images_as_the_gateway(upstream, images_dir):
+def dataset_image(tmp_path: Path) -> tuple[bytes, str]:
+    """A JPEG dataset row read before start as a job reads it, and its engine form: a PNG
+    ``data:`` URL, larger than the JPEG (noise compresses badly without loss)."""
+    from relax_launch.rl.config import RewardConfig, RewardSource
+    from relax_launch.rl.data_config import DataConfig
+    from relax_launch.rl.inputs import read_inputs
+    from relax_launch.rl.vision_prompts import EngineImages, read_images
+
+    jpeg = tmp_path / "photo.jpg"
+    Image.effect_noise((64, 64), 60).convert("RGB").save(jpeg, quality=90)
+    part = {"type": "image", "image": str(jpeg)}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": [part]}]}) + "\n")
+    reward = RewardConfig(sources=(RewardSource(name="r", function="builtin:exact_numeric"),))
+    (prompt,) = read_inputs(DataConfig(dataset=str(rows)), reward, vision=True).prompts
+    (found,) = read_images(prompt)
+    return jpeg.read_bytes(), EngineImages().url(*found)
+
+
+def test_the_controllers_dataset_images_are_not_held_to_gateway_images(upstream, tmp_path):
+    """A dataset image read before start goes to the engine whatever gateway.images says: its
+    PNG form exceeds max_bytes though the JPEG file does not (refused mid-run before)."""
+    jpeg, url = dataset_image(tmp_path)
+    png_size = len(base64.b64decode(url.partition(",")[2]))
+    assert len(jpeg) < png_size
+    limits = ImageLimits(max_bytes=len(jpeg), max_pixels=64 * 64, max_images=1)
     manager = vision_manager("rollout", f"{upstream.url}/e0")
-    policy = ImagePolicy(ImageLimits(allowed_dirs=(str(images_dir),)))
-    engines = EngineClients({"rollout": manager}, timeout_s=10, images=policy)
+    engines = EngineClients({"rollout": manager}, timeout_s=10, images=ImagePolicy(limits))
     engines.start()
-    client = engines.client("rollout")
+    body = {"input_ids": [1, PAD, 2], "image_data": [url]}
     try:
-        with pytest.raises(InferenceError, match="not fetched") as refused:
-            engines.run(client.request("/v1/chat/completions", chat("http://x/a.png")), "chat")
-        body = {"text": "x", "image_data": [f"file://{images_dir}/shape.png"]}
-        reply = engines.run(client.request("/generate", body), "generate")
+        reply = engines.run(engines.client("rollout").request("/generate", body), "generate")
     finally:
         engines.close()
-    assert refused.value.status == 400
-    assert reply["received"]["image_data"] == [as_data(PNG)]
+    assert reply["received"]["image_data"] == [url]
+    assert ImagePolicy(limits).checked(chat(as_data(jpeg, "image/jpeg")), "m", PAD)  # passes
+    with pytest.raises(ImageRefused, match=f"an image of {png_size} bytes exceeds"):
+        ImagePolicy(limits).checked(body, "m", PAD)  # what an external caller sending it gets
+
+
+def test_user_codes_images_are_checked_as_an_external_callers(images_dir):
+    """Images a rollout function's conversation adds (the agent client's ``made``) are held to
+    gateway.images, the refusal naming the message and the tool; allowed files go as data; the
+    controller's own (index 0) go as they are."""
+    policy = ImagePolicy(ImageLimits(allowed_dirs=(str(images_dir),), max_bytes=len(PNG)))
+    own, large = as_data(PNG), as_data(encoded(size=(64, 64)))
+    made = {1: "messages[3], tool 'zoom'"}
+    file = f"file://{images_dir}/shape.png"
+    assert policy.checked_user_images(["own", file], made) == ["own", as_data(PNG)]
+    for url, words in ((large, "gateway.images.max_bytes"), ("http://x/a.png", "not fetched")):
+        with pytest.raises(ImageRefused, match=words) as refused:
+            policy.checked_user_images([own, url], made)
+        assert "(messages[3], tool 'zoom') is refused" in str(refused.value)
+
+
+def test_the_in_process_client_sends_the_controllers_images_as_they_are(upstream):
+    """No gateway.images check on the controller's requests (user code's images were checked
+    by the agent client); a model that takes no images and ids not showing one placeholder per
+    image are still refused before any engine."""
+    manager = vision_manager("rollout", f"{upstream.url}/e0")
+    engines = EngineClients({"rollout": manager}, timeout_s=10, images=ImagePolicy())
+    engines.start()
+    client = engines.client("rollout")
+    remote = {"input_ids": [1, PAD, 2], "image_data": ["data:x"]}  # the policy would refuse it
+    try:
+        reply = engines.run(client.request("/generate", remote), "generate")
+        with pytest.raises(InferenceError, match="one placeholder token") as error:
+            body = {"input_ids": [1, PAD, PAD, 2], "image_data": ["data:x"]}
+            engines.run(client.request("/generate", body), "generate")
+    finally:
+        engines.close()
+    assert reply["received"]["image_data"] == ["data:x"] and error.value.status == 400
     assert len(upstream.requests) == 1
 
 

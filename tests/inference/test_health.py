@@ -138,11 +138,12 @@ def test_a_dropped_connection_is_probed_again_at_once_on_a_new_one():
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         began = time.monotonic()
         async with aiohttp.ClientSession() as session, server:
-            gone = await HealthProbe(timeout_s=5, attempts=3, window_s=20).gone(session, url)
+            gone = await HealthProbe(timeout_s=5, attempts=3, window_s=300).gone(session, url)
         return gone, time.monotonic() - began
 
     gone, seconds = asyncio.run(verdict())
-    assert gone is None and connections == 3 and seconds < 5, (gone, seconds)
+    # a share of the window would be 150 s: 60 is at once however loaded the machine
+    assert gone is None and connections == 3 and seconds < 60, (gone, seconds)
 
 
 def test_an_engine_lost_after_failed_probes_is_routed_again_when_it_answers(engine):

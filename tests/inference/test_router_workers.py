@@ -24,6 +24,7 @@ import pytest
 from fake_upstream import FakeUpstream
 
 from relax_launch.config import build_config
+from relax_launch.deadline import wait_until
 from relax_launch.inference.discovery import RoutingSpec, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.inprocess import EngineClients
@@ -88,7 +89,7 @@ def router(tmp_path_factory):
     engines = [Engine().start(), Engine().start()]
     log = tmp_path_factory.mktemp("router") / "router.log"
     router = SGLangRouter(worker_urls=[engines[0].url], log_path=log, policy="round_robin")
-    router.start(90)
+    router.start(240)  # only a hang: beside CI's e2e pass a router's start took 10-45 s
     router.engines = engines
     try:
         yield router
@@ -139,13 +140,15 @@ def test_a_worker_added_gets_requests_and_a_removed_one_only_finishes_its_own(be
     assert listed(router) == {engines[0].url: True, engines[1].url: True}
     assert through(router, 6) == [200] * 6
     assert generations(engines[0]) >= 3 and generations(engines[1]) >= 3  # round robin
-    engines[1].reset("slow")  # a request on engine 1 stays in flight (5 s) while it is removed
+    engines[1].reset("held")  # a request on engine 1 stays in flight while it is removed
     with ThreadPoolExecutor(1) as pool:
         on_one = pool.submit(through, router, 2)
-        while generations(engines[1]) == 0:
-            time.sleep(0.01)
-        workers.remove(engines[1].url)
-        assert listed(router) == {engines[0].url: True}  # taken: nothing new goes there
+        try:
+            assert wait_until(lambda: generations(engines[1]) > 0, 60)
+            workers.remove(engines[1].url)
+            assert listed(router) == {engines[0].url: True}  # taken: nothing new goes there
+        finally:
+            engines[1].release()  # else a failure above leaves the pool's exit waiting on it
         assert on_one.result() == [200, 200]  # the one in flight was answered where it ran
     assert generations(engines[1]) == 1
     engines[0].reset()
@@ -225,7 +228,7 @@ def test_a_restarting_engine_leaves_the_router_at_once_and_returns_after_the_nex
     watch = RouterRestarts.started(store, manager)
     try:
         store.set(engine_key("down", "rollout", 1), "1")  # its head begins a restart
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # only a hang: "at once" is its first tick
         while engines[1].url in listed(router):
             assert time.monotonic() < deadline, listed(router)
             time.sleep(0.05)
@@ -280,9 +283,8 @@ def test_the_router_sends_a_request_whose_engine_died_under_it_to_another(behind
         assert manager.router.match(lambda: [handle(engines[0], 0), dead]) == []
         with ThreadPoolExecutor(4) as pool:
             replies = [pool.submit(through, router, 1) for _ in range(4)]
-            while generations(engines[0]) < 2:  # the other two hang on the dying engine
-                time.sleep(0.05)
-            time.sleep(0.5)
+            # two answered by engine 0, the other two hang on the dying engine
+            assert wait_until(lambda: sum(reply.done() for reply in replies) == 2, 60)
             assert generations(engines[0]) == 2 and sum(reply.done() for reply in replies) == 2
             dying.kill()
             assert [reply.result()[0] for reply in replies] == [200] * 4
@@ -298,13 +300,14 @@ def test_requests_through_the_router_count_in_the_roles_load(behind_router):
     clients = EngineClients({"rollout": manager}, timeout_s=30)
     clients.start()
     try:
-        engines[0].reset("slow")
+        engines[0].reset("held")
         sent = clients.start_soon(clients.client("rollout").request("/generate", dict(GENERATE)))
-        while generations(engines[0]) == 0:
-            time.sleep(0.01)
+        assert wait_until(lambda: generations(engines[0]) > 0, 60)
         assert manager.requests.in_flight() == 1
         assert manager.requests.in_flight("tiny-llama/0") == 0  # the router chose the engine
+        engines[0].release()
         assert sent.result(30)["text"]
         assert manager.requests.in_flight() == 0
     finally:
+        engines[0].release()  # else a failure above leaves the close waiting on the request
         clients.close()

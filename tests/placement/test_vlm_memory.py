@@ -133,7 +133,8 @@ def test_the_tiny_vlm_job_plans_its_tower_pixels_and_the_engine_cache():
     # one 84 x 84 image a sequence: 9 tokens of 4 patches; the step's 8 sequences' pixels on the
     # device, 2 sequences a micro-batch through the tower
     assert trainer["pixel values"] == 8 * 9 * 4 * 1176 * 4
-    per_patch = TowerActivations(size.vision, 4).per_patch()
+    # the tower's blocks and the patch embedding's input (a joined copy unless a view)
+    per_patch = TowerActivations(size.vision, 4).per_patch() + 1176 * 4
     assert trainer["vision activations"] == 2 * 9 * 4 * per_patch
     engine = holder_terms(job, "rollout", 1)
     assert engine["weights"] == size.total_params * 4  # the tower too
@@ -150,6 +151,14 @@ def test_a_frozen_tower_is_resident_without_gradients_optimizer_or_activations()
     assert frozen["optimizer state"] == trained["optimizer state"] - 8 * vision
     assert "vision activations" not in frozen
     assert frozen["pixel values"] == trained["pixel values"]
+
+
+def test_pixel_values_are_planned_once_in_the_trainer_dtype():
+    """The shard's pixel values travel in the trainer's dtype (the tower casts them to it) and
+    are held once (the micro-batches are views of the received buffer)."""
+    fp32 = holder_terms(load_config(TINY_JOB), "trainer", 0)
+    job = load_config(TINY_JOB, ["trainer.dtype=bfloat16"])
+    assert holder_terms(job, "trainer", 0)["pixel values"] == fp32["pixel values"] / 2
 
 
 def test_a_dataset_s_images_may_fill_every_prompt_token():

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import tiny_agent
 
+from relax_launch.inference.images import ImagePolicy
 from relax_launch.rl import agent
 from relax_launch.rl.agent import AgentClient, as_dict
 from relax_launch.rl.batch import to_batch
@@ -150,6 +151,8 @@ def test_two_turns_with_a_tool_on_a_real_engine_train_exactly_the_engines_tokens
     replies = []
 
     class Engines:  # the controller's engine clients, reduced to one real engine
+        images = ImagePolicy()  # gateway.images, for images user code makes
+
         def client(self, role):
             return self
 

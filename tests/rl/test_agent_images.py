@@ -4,8 +4,24 @@ rejects the conversation. tests/inference/test_vlm_gateway.py runs it against th
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from relax_launch.inference.image_config import ImageLimits
+from relax_launch.inference.images import ImagePolicy, ImageRefused
 from relax_launch.rl.agent import Trajectory
-from relax_launch.rl.agent_images import as_the_engine_saw, collapsed, image_request, sources
+from relax_launch.rl.agent_images import (
+    ConversationImages,
+    as_the_engine_saw,
+    collapsed,
+    image_request,
+    sources,
+)
+from relax_launch.rl.vision_prompts import image_bytes, open_image
 
 PAD = 8
 
@@ -25,18 +41,84 @@ def test_runs_collapse_and_map_back():
 
 
 def test_a_turn_with_images_sends_one_placeholder_per_image():
-    conversation = [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:a"}}]},
-        {"role": "assistant", "content": "two"},
-        {"role": "tool", "content": [{"type": "image_url", "image_url": {"url": "data:b"}}]},
-    ]
-    body = image_request([1, 8, 8, 8, 2, 40, 41, 3, 8, 4], conversation, Tokenizer())
-    assert body == {
+    context = [1, 8, 8, 8, 2, 40, 41, 3, 8, 4]
+    assert image_request(context, ["data:a", "data:b"], Tokenizer()) == {
         "input_ids": [1, 8, 2, 40, 41, 3, 8, 4],
         "image_data": ["data:a", "data:b"],
         "return_prompt_token_ids": True,
     }
-    assert image_request([1, 2], [{"role": "user", "content": "hi"}], Tokenizer()) == {}
+    assert image_request([1, 2], [], Tokenizer()) == {}
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def encoded(size: tuple[int, int], kind: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise(size, 60).convert("RGB").save(buffer, format=kind)
+    return buffer.getvalue()
+
+
+def data_url(raw: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64," + base64.b64encode(raw).decode()
+
+
+def tool_turn(*urls: str) -> list[dict]:
+    """The prompt's image (``data:own``), a reply, then a tool result showing ``urls``."""
+    return [
+        {"role": "user", "content": [image("data:own"), {"type": "text", "text": "how many?"}]},
+        {"role": "assistant", "content": "zoom"},
+        {"role": "tool", "name": "zoom", "content": [image(u) for u in urls]},
+    ]
+
+
+def test_user_codes_images_are_marked_where_they_are_the_prompts_are_not():
+    conversation = tool_turn("data:b")
+    own = ConversationImages(own=frozenset({"data:own"}))
+    assert own.made(conversation) == {1: "messages[2], tool 'zoom'"}
+    assert ConversationImages().made(conversation) == {
+        0: "messages[0], user",
+        1: own.made(conversation)[1],
+    }
+
+
+def test_a_jpeg_tool_image_is_sent_as_the_png_of_the_trainers_pixels():
+    """SGLang on a GPU decodes a JPEG with nvJPEG (pixels not PIL's): a tool's JPEG goes as the
+    PNG of PIL's RGB decode, which is what the trainer reads (``AgentVision``)."""
+    jpeg = encoded((32, 24), "JPEG")
+    conversation = tool_turn(data_url(jpeg, "image/jpeg"))
+    own, sent = asyncio.run(ConversationImages(own=frozenset({"data:own"})).sent(conversation))
+    assert own == "data:own" and sent.startswith("data:image/png;base64,")
+    png = Image.open(io.BytesIO(base64.b64decode(sent.partition(",")[2])))
+    assert png.format == "PNG" and png.mode == "RGB"
+    trainers = open_image(image_bytes(image(data_url(jpeg, "image/jpeg"))))
+    assert png.tobytes() == trainers.tobytes()
+
+
+def test_max_images_counts_the_prompts_images_with_the_tools():
+    """A prompt of 2 images and a tool's 2 under max_images=3: refused naming the tool, as the
+    request carries 4; the prompt's own alone are never refused."""
+    policy = ImagePolicy(ImageLimits(max_images=3))
+    small = data_url(encoded((8, 8)))
+    conversation = tool_turn(small, small)
+    conversation[0]["content"].insert(0, image("data:own2"))
+    client = ConversationImages(frozenset({"data:own", "data:own2"}), policy)
+    with pytest.raises(ImageRefused, match=r"carries 4 images, more than 3 .*tool 'zoom'"):
+        asyncio.run(client.sent(conversation))
+    assert len(asyncio.run(client.sent(tool_turn(small)))) == 2
+    assert asyncio.run(client.sent(conversation[:1]))[:2] == ["data:own2", "data:own"]
+    many = tool_turn()
+    many[0]["content"] = [image(f"data:own{k}") for k in range(5)]
+    own = ConversationImages(frozenset(f"data:own{k}" for k in range(5)), policy)
+    assert len(asyncio.run(own.sent(many))) == 5  # the data's: passed before start
+
+
+def test_a_refused_tool_image_names_the_tool():
+    policy = ImagePolicy(ImageLimits(max_bytes=100))
+    client = ConversationImages(frozenset({"data:own"}), policy)
+    with pytest.raises(ImageRefused, match=r"\(messages\[2\], tool 'zoom'\) is refused: an image"):
+        asyncio.run(client.sent(tool_turn(data_url(encoded((64, 64))))))
 
 
 def test_the_engines_context_replaces_the_recorded_one():

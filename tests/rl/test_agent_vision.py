@@ -8,8 +8,11 @@ processor does; tests/rl/test_agent_vision_job.py runs the real engine and train
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,13 +20,20 @@ import pytest
 import torch
 import vlm_agent
 
+from relax_launch.inference.image_config import ImageLimits
+from relax_launch.inference.images import ImagePolicy, ImageRefused, image_urls
 from relax_launch.models.build import ensure_model
 from relax_launch.rl import agent
 from relax_launch.rl.agent import AgentClient, to_sample
 from relax_launch.rl.agent_vision import AgentVision, image_runs_problem
 from relax_launch.rl.async_rollout import ContinuousRollout
 from relax_launch.rl.batch import sample_metrics, to_batch
-from relax_launch.rl.vision_prompts import VisionEncoder, image_bytes, open_image, text_of
+from relax_launch.rl.vision_prompts import (
+    VisionEncoder,
+    image_bytes,
+    open_image,
+    text_of,
+)
 from relax_launch.rl.visual_tasks import data_url, draw_shapes, shape_counting
 from relax_launch.trainer.vlm_batches import image_tokens
 from relax_launch.trainer.vlm_conversion import VLShape
@@ -175,16 +185,20 @@ def test_the_image_runs_must_be_the_trainers(ids, mask, why):
 
 
 class LoopEngines:
-    """The continuous rollout's engine clients, answered by ``engine``."""
+    """The controller's engine clients, answered by ``engine`` (the bodies recorded)."""
 
-    def __init__(self, engine: ExpandingEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: ExpandingEngine, images: ImagePolicy | None = None) -> None:
+        self.engine, self.images, self.bodies = engine, images or ImagePolicy(), []
 
     def client(self, role: str) -> LoopEngines:
         return self
 
     async def request(self, path: str, body: dict, affinity_key: str) -> dict:
+        self.bodies.append(body)
         return await self.engine(body)
+
+    def run(self, coro, what: str):
+        return asyncio.run(coro)
 
 
 def test_the_fully_asynchronous_rollout_trains_a_conversation_with_its_images(encoder):
@@ -246,3 +260,83 @@ def test_a_prompts_samples_with_the_same_images_run_the_processor_once(encoder):
     first, second = vision.rows([one]), vision.rows([one])
     assert first is second and calls == [1]
     assert vision.rows([one, other]).grids.shape[0] == 2 and calls == [1, 2]
+
+
+def test_a_prompts_images_are_encoded_once_and_its_own_in_an_agentic_turn(encoder):
+    """Each draw of a prompt sends the same data: URL objects (a JPEG made a PNG once, an RGB
+    PNG data: URL as it is), as its image parts too; in an agentic turn they are the prompt's
+    own, and only the tool's image is marked for the gateway.images check, naming the tool."""
+    buffer = io.BytesIO()
+    draw_shapes({0: ("red", "circle")}).save(buffer, format="JPEG")
+    shapes = shape_counting(1, seed=3)[0]
+    question = shapes.messages[0]["content"][1]
+    part = {"type": "image", "image": buffer.getvalue()}
+    jpeg = replace(shapes, messages=({"role": "user", "content": [part, question]},))
+    for source in (shapes, jpeg):
+        (first, _), (again, _) = encoder.encode(source), encoder.encode(source)
+        assert first.images.urls[0] is again.images.urls[0]
+        assert first.images.urls[0].startswith("data:image/png;base64,")
+        assert image_urls(list(first.messages)) == list(first.images.urls)
+    assert list(encoder.engine_images.urls.values()) == [first.images.urls[0]]  # the JPEG's
+    (own,) = image_urls(list(shapes.messages))
+    prompt, _ = encoder.encode(shapes)
+    assert prompt.images.urls[0] is own  # the visual task's RGB PNG: sent as it is
+    sent = []
+    expanding = ExpandingEngine(encoder, "3", "two")
+
+    async def engine(body: dict) -> dict:
+        sent.append(body)
+        return await expanding(body)
+
+    client = AgentClient(engine, encoder.processor.tokenizer, 1.0, budget=64)
+    conversation, outcome = asyncio.run(agent.converse(vlm_agent.zoom_tool, prompt, client))
+    assert outcome == "" and sent[0]["image_data"][0] is own  # the prompt's image alone
+    assert sent[1]["image_data"] == [own, vlm_agent.zoomed()]  # the tool's: an RGB PNG already
+    assert client.images.made(conversation) == {1: "messages[2], tool 'call_0'"}
+
+
+async def zoom_too_far(prompt, client, caught: list) -> list:
+    """The zoom tool's conversation, its image one gateway.images refuses: the first
+    conversation lets the refusal go, the others catch it and answer without the image."""
+    catches = bool(caught)
+    caught.append(None)
+    messages = list(prompt.messages)
+    first = await client.chat.completions.create(messages=messages, max_tokens=4)
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    zoomed = [{"type": "image_url", "image_url": {"url": vlm_agent.zoomed((112, 112))}}]
+    shown = {"role": "tool", "content": zoomed, "tool_call_id": "call_0"}
+    try:
+        await client.chat.completions.create(messages=[*messages, shown], max_tokens=4)
+    except ImageRefused as refused:
+        if not catches:
+            raise
+        caught[-1] = str(refused)
+    messages.append({"role": "tool", "content": "no image", "tool_call_id": "call_0"})
+    second = await client.chat.completions.create(messages=messages, max_tokens=4)
+    return [*messages, second.choices[0].message.model_dump(exclude_none=True)]
+
+
+def test_a_tool_image_gateway_images_refuses_fails_its_sample_not_the_step(encoder):
+    """A tool's image over gateway.images is user code's problem of one sample: refused before
+    any engine, raised in the rollout function naming the tool; uncaught it fails that sample
+    (agent/failed), caught the conversation goes on; the step's other samples train."""
+    prompt, ids = encoder.encode(shape_counting(1, seed=3)[0])
+    engine = ExpandingEngine(encoder, "3", "3", "two")
+    engines = LoopEngines(engine, ImagePolicy(ImageLimits(max_pixels=100 * 100)))
+    caught: list = []
+    samples = agent.generate(
+        engines,
+        [(prompt, ids)],
+        n=2,
+        temperature=1.0,
+        max_tokens=64,
+        function=functools.partial(zoom_too_far, caught=caught),
+        tokenizer=encoder.processor.tokenizer,
+        vision=AgentVision(encoder.processor),
+    )
+    assert [s.outcome for s in samples] == ["failed", ""] and samples[1].valid
+    assert sample_metrics(samples, 1.0)["agent/failed"] == 1
+    assert samples[1].turns == 2 and samples[1].images.grids.tolist() == [[1, 6, 6]]
+    assert "(messages[2], tool 'call_0') is refused" in caught[1]
+    assert "gateway.images.max_pixels" in caught[1]
+    assert engine.replies == [] and all(len(b["image_data"]) == 1 for b in engines.bodies)

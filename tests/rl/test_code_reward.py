@@ -10,6 +10,7 @@ import errno
 import os
 import resource
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import psutil
 import pytest
 from harness.stop_signal import abandoned_after
 
+from relax_launch.deadline import wait_until
 from relax_launch.rl.code_config import CodeTestsConfig
 from relax_launch.rl.code_pool import CodeSandboxPool, sandbox_problem
 from relax_launch.rl.code_tasks import rows
@@ -26,7 +28,11 @@ from relax_launch.rl.samples import Sample
 
 # each xdist worker its own uids: RLIMIT_NPROC counts every process of a uid on the machine
 UID = 62000 + 100 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-LIMIT_S = 3.0  # a sandbox takes ~0.1 s to start and run; room for a loaded machine
+# A sandbox takes ~0.1 s to start and run. One that must end by itself has a wall it reaches
+# only on a hang (beside CI's e2e pass a 3 s wall once ran out on one); one killed at its wall
+# time has a short one, which the test waits out.
+WALL_S = 60.0
+LIMIT_S = 3.0
 
 pytestmark = pytest.mark.skipif(
     bool(sandbox_problem(CodeTestsConfig(uid=UID))), reason="no code sandbox on this machine"
@@ -41,7 +47,7 @@ def sample(text: str, tests: list | None) -> Sample:
     return Sample(0, "q", None, [1], [2], [0.0], text, "1", meta={"tests": tests})
 
 
-def code_rewards(timeout_s: float = LIMIT_S, **code) -> Rewards:
+def code_rewards(timeout_s: float = WALL_S, **code) -> Rewards:
     source = {"name": "code", "function": "builtin:code_tests", "timeout_s": timeout_s}
     return Rewards(RewardConfig(sources=[{**source, "code": {"uid": UID, **code}}]))
 
@@ -153,12 +159,11 @@ def contained(rewards: Rewards, samples: list[Sample]) -> tuple[list[float], dic
     return values, metrics, seconds
 
 
-def test_an_infinite_loop_is_killed_at_the_wall_time_keeping_the_tests_passed_before(
-    rewards, monkeypatch
-):
+def test_an_infinite_loop_is_killed_at_the_wall_time_keeping_the_tests_passed_before(monkeypatch):
     loop = "def add(a, b):\n    return a + b\ndef spin():\n    while True:\n        pass"
     sleep = "import time\ntime.sleep(3600)"
     tests = ["assert add(1, 1) == 2", "spin()", "assert add(2, 2) == 4"]
+    rewards = code_rewards(timeout_s=LIMIT_S)
     pool, limits = rewards.sandboxes["code"], []
     start = pool._start
 
@@ -168,9 +173,12 @@ def test_an_infinite_loop_is_killed_at_the_wall_time_keeping_the_tests_passed_be
         return sandbox
 
     monkeypatch.setattr(pool, "_start", started)
-    values, metrics, _ = contained(
-        rewards, [sample(py(loop), tests), sample(py(sleep), ["assert True"])]
-    )
+    try:
+        values, metrics, _ = contained(
+            rewards, [sample(py(loop), tests), sample(py(sleep), ["assert True"])]
+        )
+    finally:
+        rewards.close()
     # each timed out: the pool killed it at its deadline (the source's timeout_s), before the
     # sandbox's own alarm (wall_s + 1 s) would have ended it, which counts no timeout
     assert values == [1 / 3, 0.0] and metrics["reward/code/timeouts"] == 2
@@ -283,11 +291,19 @@ def test_a_network_connection_reaches_nothing(rewards):
 
 def test_the_sandbox_leaves_no_directory_behind(tmp_path):
     pool = CodeSandboxPool(CodeTestsConfig(uid=UID), scratch=str(tmp_path))
-    calls = [("code_tests", (py("open('f', 'w').write('x')"), ["assert True"]))] * 3
-    calls.append(("code_tests", (py("while True: pass"), ["assert True"])))
-    outcomes = pool.run(calls, timeout_s=1.5)
+    writes = [("code_tests", (py("open('f', 'w').write('x')"), ["assert True"]))] * 3
+    loop = [("code_tests", (py("while True: pass"), ["assert True"]))]
+    outcomes = pool.run(writes, timeout_s=WALL_S) + pool.run(loop, timeout_s=1.0)
     assert [o.value for o in outcomes] == [1.0, 1.0, 1.0, 0.0] and outcomes[3].timed_out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sandbox_check_leaves_no_descriptor_behind():
+    """``sandbox_problem`` runs for every config check: its trial pool is closed."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        assert sandbox_problem(CodeTestsConfig(uid=UID)) is None
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_stop_abandons_the_scoring_at_once_and_kills_its_sandboxes(rewards):
@@ -299,3 +315,29 @@ def test_a_stop_abandons_the_scoring_at_once_and_kills_its_sandboxes(rewards):
     assert rewards.sandboxes["code"].running == [] and sandboxed_processes() == []
     (after,), _, _ = scores(rewards, [sample(py("def add(a, b):\n    return a + b"), ADD)])
     assert after == 1.0
+
+
+def test_a_caller_is_not_held_behind_another_callers_batch():
+    """A batch whose program loops until its wall time holds one sandbox slot; another
+    thread's batch, submitted meanwhile, runs in the other slots and is answered while the
+    loop still runs."""
+    pool = CodeSandboxPool(CodeTestsConfig(uid=UID, concurrency=2))
+    loop = [("code_tests", (py("while True:\n    pass"), ["assert True"]))]
+    ended = []
+
+    def spin():
+        with pytest.raises(RuntimeError, match="closed"):  # by the close below
+            pool.run(loop, timeout_s=WALL_S)
+        ended.append(True)
+
+    background = threading.Thread(target=spin, daemon=True)
+    background.start()
+    try:
+        assert wait_until(lambda: pool.running, timeout_s=WALL_S)
+        adds = [("code_tests", (py("def add(a, b):\n    return a + b"), ADD))] * 3
+        assert [o.value for o in pool.run(adds, timeout_s=WALL_S)] == [1.0] * 3
+        assert background.is_alive() and not pool.running[0].deadline.passed
+    finally:
+        pool.close()
+    background.join(timeout=30)  # the close ends it
+    assert not background.is_alive() and ended and sandboxed_processes() == []

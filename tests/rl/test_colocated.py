@@ -46,7 +46,7 @@ class Work:
 
 
 def coordinator(layout: dict[str, tuple[int, ...]], broken: str = "") -> LifecycleCoordinator:
-    coord = LifecycleCoordinator(operation_timeout_s=5, co_resident=SYNC_WINDOW)
+    coord = LifecycleCoordinator(operation_timeout_s=60, co_resident=SYNC_WINDOW)  # hang bound
 
     def op(role: str, kind: str):
         def call(parts):
@@ -140,7 +140,7 @@ def test_failed_offload_blocks_names_rank_and_role_and_a_retry_after_recovery_su
 
 def test_split_onloads_and_offloads_its_slices_at_once():
     coord = coordinator(SPLIT)
-    together = {kind: threading.Barrier(3, timeout=5) for kind in ("onload", "offload")}
+    together = {kind: threading.Barrier(3, timeout=60) for kind in ("onload", "offload")}
 
     def meet(kind: str):
         def call(parts):

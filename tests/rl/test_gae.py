@@ -25,7 +25,7 @@ from relax_launch.rl.gae import explained_variance, gae, returns, whiten
 from relax_launch.rl.phases import train
 from relax_launch.rl.report import StepProgress
 from relax_launch.rl.samples import Sample
-from relax_launch.trainer.critic import STEP_SECONDS
+from relax_launch.trainer.critic import STEP_SECONDS, STEP_TICKETS
 from relax_launch.trainer.critic_loss import value_loss
 from relax_launch.trainer.losses import LossSpec
 
@@ -283,22 +283,50 @@ def test_the_first_warmup_steps_of_the_job_skip_the_policy():
 class OverlappingJob(RecordingJob):
     """A job whose critic has ranks of its own: its steps are started before the policy's and
     collected after it (the real one: tests/rl/test_critic_job.py). Each of its ``seconds``
-    passes on a fake monotonic clock: starting the critic, the policy's step, finishing."""
+    passes on a fake monotonic clock: starting the critic, the policy's step, finishing. Each
+    critic step takes its tickets from the job's counter at one of those moments
+    (``critic_at``: "start", "policy", "finish" for each step, or one spanning two: "start-policy"
+    began while starting and ended within the policy's step)."""
 
     critic_overlaps = True
 
-    def __init__(self, values, clock, seconds=(0.5, 3.0, 1.0), critic_s=2.0, fail=False):
+    def __init__(
+        self,
+        values,
+        clock,
+        seconds=(0.5, 3.0, 1.0),
+        critic_s=2.0,
+        fail=False,
+        critic_at=("policy", "policy"),
+    ):
         super().__init__(values)
         self.clock, self.seconds, self.critic_s, self.fail = clock, seconds, critic_s, fail
+        self.critic_at, self.tickets = critic_at, {}
+        self.counter = 0
+
+    def order_ticket(self):
+        self.counter += 1
+        return self.counter
+
+    def _critic_tickets(self, moment):
+        """The critic's ranks taking their steps' tickets at ``moment``."""
+        for step, at in enumerate(self.critic_at):
+            began, _, ended = at.partition("-")
+            if began == moment:
+                self.tickets[step] = [self.order_ticket()]
+            if (ended or began) == moment:
+                self.tickets[step].append(self.order_ticket())
 
     def start_critic(self, batches, clip):
         self.calls.append(("start_critic", len(batches), clip))
         self.clock.now += self.seconds[0]
+        self._critic_tickets("start")
         return batches
 
     def train_step(self, batch, spec):
         self.calls.append(("policy", batch))
         self.clock.now += self.seconds[1]
+        self._critic_tickets("policy")
         if self.fail:
             raise RuntimeError("policy step failed")
         return {"loss": 0.1}
@@ -306,9 +334,17 @@ class OverlappingJob(RecordingJob):
     def finish_critic(self, started):
         self.calls.append(("finish_critic",))
         self.clock.now += self.seconds[2]
+        self._critic_tickets("finish")
+        for step in range(len(self.critic_at)):  # the warm-up's: no policy step to run beside
+            while len(self.tickets.setdefault(step, [])) < 2:
+                self.tickets[step].append(self.order_ticket())
         # durations on the critic's rank: no clock of its own reaches rank 0
         return [
-            {"critic/value_loss": 0.5 + i, STEP_SECONDS: self.critic_s / len(started)}
+            {
+                "critic/value_loss": 0.5 + i,
+                STEP_SECONDS: self.critic_s / len(started),
+                **dict(zip(STEP_TICKETS, self.tickets[i], strict=True)),
+            }
             for i, _ in enumerate(started)
         ]
 
@@ -365,12 +401,36 @@ def test_a_critic_wholly_within_the_policys_step_overlaps_all_of_it(monkeypatch)
     assert metrics["critic/overlap_fraction"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize(
+    ("critic_at", "overlapped"),
+    [
+        (("policy", "policy"), 2),  # both within the policy's step
+        (("start-policy", "policy-finish"), 2),  # each across one of its ends
+        (("start-finish", "finish"), 1),  # the first across all of it, the second after it
+        (("start", "policy"), 1),  # the first done before it began
+        (("start", "start"), 0),
+        (("finish", "finish"), 0),  # neither begun before it ended
+    ],
+)
+def test_the_critics_steps_beside_the_policys_are_counted_by_their_tickets(
+    monkeypatch, critic_at, overlapped
+):
+    # the same durations in every case: the count comes from the tickets' order alone
+    job, ctx, samples = overlapping(monkeypatch, critic_at=critic_at)
+    metrics = train_with_critic(ctx, samples, to_batch(samples, 0.0), LossSpec())
+    assert metrics["critic/overlapped_steps"] == overlapped
+    assert metrics["critic/overlap_s"] == pytest.approx(0.5)
+    assert not set(STEP_TICKETS) & set(metrics)
+
+
 def test_the_critic_warmup_reports_no_overlap(monkeypatch):
     job, ctx, samples = overlapping(monkeypatch)
     metrics = train_with_critic(ctx, samples, to_batch(samples, 0.0), LossSpec(), False)
     assert "policy" not in [c[0] for c in job.calls]
     assert metrics["critic/step_s"] == pytest.approx(2.0) and metrics["critic/warmup"] == 1.0
-    assert "critic/overlap_s" not in metrics and "critic/overlap_fraction" not in metrics
+    assert not {"critic/overlap_s", "critic/overlap_fraction", "critic/overlapped_steps"} & set(
+        metrics
+    )
 
 
 def test_a_failed_policy_step_still_finishes_the_critics_steps(monkeypatch):

@@ -226,3 +226,30 @@ def test_only_the_builtin_names_score_in_the_pool():
     ]
     pooled, user = RewardConfig(sources=sources).sources
     assert pooled.pooled and not user.pooled
+
+
+def test_a_caller_is_not_held_behind_another_callers_batch():
+    """An off-policy step's batch with a call that hangs until its limit holds one worker;
+    the main thread's batch, submitted meanwhile, is answered on the others while that call is
+    still in flight (the pool serves both batches, not one batch at a time)."""
+    pool = ScoringPool(2)
+    try:
+        pool.run([("math_verify", (r"\boxed{1}", "1"))] * 2, timeout_s=60)  # the workers are up
+        ended = []
+
+        def hang():
+            with pytest.raises(RuntimeError, match="closed"):  # by the close below
+                pool.run([("math_verify", (HANGS, "1"))], timeout_s=120)
+            ended.append(True)
+
+        background = threading.Thread(target=hang, daemon=True)
+        background.start()
+        assert wait_until(lambda: any(w.call for w in pool.workers), timeout_s=60)
+        calls = [("math_verify", (rf"\boxed{{{n}}}", str(n))) for n in range(4)]
+        assert [o.value for o in pool.run(calls, timeout_s=60)] == [1.0] * 4
+        hanging = [w.call[1] for w in pool.workers if w.call]
+        assert background.is_alive() and hanging and not hanging[0].passed
+    finally:
+        pool.close()
+    background.join(timeout=30)  # the close ends it
+    assert not background.is_alive() and ended

@@ -18,6 +18,7 @@ from rich.console import Console
 from torch.distributed import HashStore
 
 from relax_launch.config import DataConfig
+from relax_launch.deadline import wait_until
 from relax_launch.rl.checkpoints import Checkpoints
 from relax_launch.rl.config import AlgorithmConfig
 from relax_launch.rl.context import RLContext
@@ -47,6 +48,8 @@ class RecordingJob:
         self.generating = threading.Event()
         self.synced_while_generating = False
         self.lock = threading.Lock()
+        self.trains_until_stop: int | None = None  # that step trains until a stop is asked
+        self.overlapped_steps = 0  # each step before it trains until the next rollout began
 
     def record(self, name: str) -> None:
         with self.lock:
@@ -54,7 +57,13 @@ class RecordingJob:
 
     def train_step(self, batch, spec) -> dict[str, float]:
         self.record("train-start")
-        time.sleep(PHASE_S)
+        step = [n for n, _ in self.events].count("train-start")
+        if step == self.trains_until_stop:
+            self.stop.requested(wait_s=60)  # not a phase: its watcher may be late to ask
+        else:
+            if step < self.overlapped_steps:  # a loaded machine may start it late, not never
+                wait_until(lambda: [n for n, _ in self.events].count("rollout-start") > step, 60)
+            time.sleep(PHASE_S)
         self.record("train-end")
         return {"loss": 0.0}
 
@@ -141,6 +150,7 @@ def test_synchronous_steps_train_on_the_latest_weights(tmp_path):
 
 def test_off_policy_overlaps_the_next_rollout_with_training_but_not_with_sync(tmp_path):
     ctx = context(tmp_path)
+    ctx.job.overlapped_steps = 4
     history = run_schedule(ctx, off_policy=True, steps=4)
     job = ctx.job
     # batch k+1 is generated with the weights of step k while step k trains
@@ -255,6 +265,7 @@ def test_a_stop_while_the_batch_is_made_abandons_the_step_at_once(tmp_path, nudg
 def test_a_stop_while_training_lets_the_step_finish_without_its_sync(tmp_path, nudgeable):
     ctx = context(tmp_path)
     nudgeable(ctx.job.stop)
+    ctx.job.trains_until_stop = 2
     ask_to_stop_after(ctx, "train-start", count=2)
     stopped = stopping_run(ctx, 5)
     assert stopped.step == 2  # the step that was training counts ...

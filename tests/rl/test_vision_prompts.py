@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
+import zlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,8 +25,21 @@ from relax_launch.rl.inputs import read_inputs
 from relax_launch.rl.prompt import Prompt
 from relax_launch.rl.rollout import prompt_inputs, reply_sample
 from relax_launch.rl.samples import Sample
-from relax_launch.rl.vision_prompts import PromptImages, image_parts, prompt_images, text_of
+from relax_launch.rl.vision_prompts import (
+    EngineImages,
+    PromptImages,
+    image_parts,
+    read_images,
+    text_of,
+    with_urls,
+)
 from relax_launch.trainer.batch import RowImages
+
+
+def rgb_images(prompt: Prompt) -> list:
+    """The images of ``prompt`` as the trainer's processor gets them (``VisionEncoder.encode``)."""
+    return [image.convert("RGB") for *_, image in read_images(prompt)]
+
 
 REWARD = RewardConfig(sources=(RewardSource(name="count", function="builtin:exact_numeric"),))
 
@@ -52,7 +67,7 @@ def test_every_image_source_opens(tmp_path):
         {"type": "image", "image": {"bytes": None, "path": str(path)}},
     ]
     for part in parts:
-        (image,) = prompt_images(Prompt(0, tuple(chat(part))))
+        (image,) = rgb_images(Prompt(0, tuple(chat(part))))
         assert image.size == (28, 28) and image.getpixel((3, 3)) == (255, 0, 0)
 
 
@@ -83,7 +98,7 @@ def test_parquet_rows_with_image_bytes_are_read(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), path)
     prompts = read_inputs(DataConfig(dataset=str(path)), REWARD, vision=True).prompts
     assert len(prompts) == 2 and prompts[0].label == "3"
-    (image,) = prompt_images(prompts[0])
+    (image,) = rgb_images(prompts[0])
     assert image.getpixel((0, 0)) == (0, 0, 255)
 
 
@@ -188,8 +203,69 @@ def test_an_hf_datasets_image_column_fills_the_rows_image_parts(tmp_path):
     rows = [{"messages": messages, "images": [{"bytes": png("green"), "path": None}], "label": "g"}]
     directory = save_to_disk(tmp_path / "ds", rows)
     (prompt,) = read_inputs(DataConfig(dataset=str(directory)), REWARD, vision=True).prompts
-    (image,) = prompt_images(prompt)
+    (image,) = rgb_images(prompt)
     assert image.getpixel((0, 0)) == (0, 128, 0)
     extra = [{**rows[0], "images": rows[0]["images"] * 2}]
     with pytest.raises(ConfigError, match="2 images for 1 image parts"):
         read_inputs(DataConfig(dataset=str(save_to_disk(tmp_path / "x", extra))), REWARD)
+
+
+def test_the_cli_reads_headers_and_rank_0_decodes_each_image_once(tmp_path):
+    """A truncated file has a sound header: the CLI's check (decode=False) passes it, rank 0's
+    (the job's, before any engine or trainer starts) refuses it naming the row and the part;
+    pixels beyond PIL's decompression-bomb bound are refused from the header, before decoding."""
+    truncated = tmp_path / "cut.png"
+    truncated.write_bytes(png(size=(64, 64))[:-40])
+    header = png(size=(1, 1))
+    bombs = []
+    for side in (10_000, 20_000):  # PIL warns above its bound, refuses to open above twice it
+        claim = b"IHDR" + side.to_bytes(4, "big") * 2 + header[24:29]
+        bombs.append(tmp_path / f"bomb{side}.png")
+        crc = zlib.crc32(claim).to_bytes(4, "big")
+        bombs[-1].write_bytes(header[:12] + claim + crc + header[33:])
+
+    def rows(path):
+        rows = tmp_path / f"{path.stem}.jsonl"
+        rows.write_text(json.dumps({"messages": chat({"type": "image", "image": str(path)})}))
+        return DataConfig(dataset=str(rows))
+
+    assert read_inputs(rows(truncated), REWARD, vision=True, decode=False).prompts
+    with pytest.raises(ConfigError, match=r"row 0 messages\[0\]\.content\[0\]: not an image"):
+        read_inputs(rows(truncated), REWARD, vision=True)
+    for bomb, decode in itertools.product(bombs, (False, True)):
+        with pytest.raises(ConfigError, match="exceeds 89478485 pixels.*; dataset images are"):
+            read_inputs(rows(bomb), REWARD, vision=True, decode=decode)
+
+
+def test_each_image_is_made_the_engines_png_once_within_the_budget():
+    """The engine form is a PNG data: URL of the RGB pixels: an RGB PNG data: URL is its own
+    (the same string), any other (a JPEG: SGLang decodes it with nvJPEG on a GPU, pixels not
+    PIL's) is encoded once and kept by its bytes while the budget lasts."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), "red").save(buffer, format="JPEG")
+    jpeg, rgba = buffer.getvalue(), io.BytesIO()
+    Image.new("RGBA", (4, 4), (0, 0, 255, 9)).save(rgba, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image", "image": jpeg},
+        {"type": "image", "image": rgba.getvalue()},
+    ]
+    prompt = Prompt(0, tuple(chat(parts[0])) + tuple(chat(parts[1])) + tuple(chat(parts[2])))
+    engine = EngineImages()
+    first = [engine.url(*found) for found in read_images(prompt)]
+    again = [engine.url(*found) for found in read_images(prompt)]
+    assert first[0] is url and all(a is b for a, b in zip(first, again, strict=True))
+    assert engine.held == len(first[1]) + len(first[2])
+    for made, (_, _, image) in zip(first[1:], read_images(prompt)[1:], strict=True):
+        sent = Image.open(io.BytesIO(base64.b64decode(made.partition(",")[2])))
+        assert made.startswith("data:image/png;base64,") and sent.mode == "RGB"
+        assert sent.tobytes() == image.convert("RGB").tobytes()  # the trainer's pixels
+    tight = EngineImages(budget=len(first[1]))
+    assert tight.url(*read_images(prompt)[1]) == first[1] and tight.held == len(first[1])
+    tight.url(*read_images(prompt)[2])
+    assert len(tight.urls) == 1  # over the budget: made again at each draw
+    messages = with_urls(prompt.messages, first)
+    assert [p for _, p in image_parts(messages)] == [
+        {"type": "image_url", "image_url": {"url": u}} for u in first
+    ]

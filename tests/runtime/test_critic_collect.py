@@ -1,9 +1,11 @@
 """Rank 0 posting the critic's mini-batch steps (``CriticClient.start_training``): every step's
-shard of a DP rank travels in one transfer, so rank 0 has as many sends in flight as for one
-step whatever ``critic.mini_batches`` (each holding its DP rank's every mini-batch joined), and
-each rank trains the same shards, in the same order, as one post per step gave it; a joined
-shard that does not split into equal steps is refused, and a failed step still waits for the
-sends."""
+shard of a DP rank travels in one transfer whatever ``critic.mini_batches`` (one send per DP
+rank, holding its every mini-batch joined), and each rank trains the same shards, in the same
+order, as one post per step gave it; a joined shard that does not split into equal steps is
+refused, and a failed step still ends its transfer (the sends ended in ``start_training``),
+then raises the step's error. The critic rank whose reply rank 0 reads brackets each step with
+the job's event tickets (the clock-free order ``critic/overlapped_steps`` reads:
+tests/rl/test_gae.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,16 @@ from types import SimpleNamespace
 import pytest
 
 from relax_launch.runtime.control import Posted
-from relax_launch.runtime.critic_worker import CriticClient, joined_shards, split_steps
+from relax_launch.runtime.critic_worker import (
+    ORDER_KEY,
+    CriticClient,
+    CriticTrainSteps,
+    CriticWorker,
+    joined_shards,
+    split_steps,
+)
 from relax_launch.trainer.batch import TokenBatch
+from relax_launch.trainer.critic import STEP_TICKETS
 
 
 def batch_of(rows: int, first: int = 10) -> TokenBatch:
@@ -31,7 +41,12 @@ def client_recording(dp_size: int) -> tuple[CriticClient, list, list]:
         return Posted(len(posts), command, tuple(ranks))
 
     client.channel = SimpleNamespace(post=post, timeout_s=600.0)
-    client.shards = SimpleNamespace(start=lambda shards: transfers.append(shards) or shards)
+
+    def start(shards, results=False, *, failed, timeout_s):
+        transfers.append(shards)
+        return shards
+
+    client.shards = SimpleNamespace(start=start)
     return client, posts, transfers
 
 
@@ -74,7 +89,7 @@ class Failed(RuntimeError):
 
 
 @pytest.mark.parametrize("finish_fails", [False, True])
-def test_a_failed_critic_step_still_waits_for_its_sends(finish_fails: bool) -> None:
+def test_a_failed_critic_step_still_ends_its_transfer(finish_fails: bool) -> None:
     client, _, _ = client_recording(dp_size=2)
     client.local, finished = {}, []
 
@@ -89,7 +104,7 @@ def test_a_failed_critic_step_still_waits_for_its_sends(finish_fails: bool) -> N
     client.channel.collect = collect
     client.shards.finish = finish
     started = client.start_training([batch_of(4)], value_clip=None)
-    with pytest.raises(Failed, match="rank 2"):  # the step's error, not the send's
+    with pytest.raises(Failed, match="rank 2"):  # the step's error, not the transfer's
         client.finish_training(started)
     assert finished == [started[1]]
 
@@ -109,3 +124,49 @@ def test_the_critics_steps_are_waited_for_one_steps_bound_each() -> None:
     client._last_stage_rank = lambda: 2
     client.finish_training(client.start_training([batch_of(4)] * 3, value_clip=None))
     assert bounds == [1800.0]
+
+
+class CountingStore:
+    """The store's atomic add (the job's event counter), the critic's steps recorded beside."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
+
+
+def worker_on(rank: int, reporting: int, store: CountingStore | None):
+    """A critic rank whose steps record the counter's value while they run."""
+    ran = []
+
+    def train_step(shard, clip):
+        ran.append(store.counts.get(ORDER_KEY) if store else None)
+        return {"critic/value_loss": 0.1, "critic/clip_fraction": 0.0, "critic/grad_norm": 1.0}
+
+    worker = CriticWorker.__new__(CriticWorker)
+    worker.critic = SimpleNamespace(step=0, train_step=train_step)
+    worker.offloader = SimpleNamespace(require=lambda op, parts: None)
+    worker.order = store
+    worker.shards = SimpleNamespace(
+        rank=rank, dp_rank=0, result_rank=lambda dp: reporting, receive=lambda s: batch_of(4)
+    )
+    return worker, ran
+
+
+def test_the_reporting_critic_rank_brackets_each_step_with_the_jobs_tickets() -> None:
+    store = CountingStore()
+    worker, ran = worker_on(rank=2, reporting=2, store=store)
+    replies = worker.train_steps(CriticTrainSteps((batch_of(4).shape(),), 2, None))
+    # each step ran between its two tickets: taken just before it and just after
+    assert [tuple(r[k] for k in STEP_TICKETS) for r in replies] == [(1, 2), (3, 4)]
+    assert ran == [1, 3]
+
+
+@pytest.mark.parametrize("reporting, order", [(3, True), (2, False)])
+def test_no_tickets_from_a_rank_rank0_does_not_read_or_without_the_store(reporting, order):
+    store = CountingStore()
+    worker, _ = worker_on(rank=2, reporting=reporting, store=store if order else None)
+    replies = worker.train_steps(CriticTrainSteps((batch_of(4).shape(),), 2, None))
+    assert not any(set(STEP_TICKETS) & set(r) for r in replies) and store.counts == {}

@@ -141,6 +141,50 @@ def test_ranks_freed_for_a_role_go_to_it_not_back_to_the_donor() -> None:
     assert (take.role, take.direction, take.target) == ("genrm", "scale_out", 3)
 
 
+def a_rollout_give_then_a_judge_reading_that_jumps(accepted: bool) -> tuple:
+    """Rollout gives its pool rank for a judge burst (the scaler taking the give or not), and
+    half a second later one reading catches two groups of the judge's answers (they come four
+    at a time): its rate jumps and its gain falls under min_gain_s. (policy, rollout, judge,
+    the give's time, the moves of that reading.)"""
+    policy = PoolPolicy(replace(CONFIG, hold_s=1.0))
+    rollout = role("rollout", engines=2, serving=2, held=1, most=2, start_s=81.0)
+    judge = role("genrm", most=2, start_s=35.0)
+    t = phases(policy, rollout, (judge,), 0.0)
+    t = phases(policy, rollout, (judge,), t + 300)  # 300 s between phases: time to restart
+    policy.decide(PoolView(t, 0, (rollout, replace(judge, outstanding=200.0)), "genrm"))
+    judge = replace(judge, outstanding=196.0, answered=4.0)  # four answers in 2.5 s
+    (give,) = policy.decide(PoolView(t + 2.5, 0, (rollout, judge), "genrm"))
+    assert (give.role, give.direction, give.evidence) == ("rollout", "scale_in", {"for": "genrm"})
+    if accepted:
+        policy.accepted(give, t + 2.5)
+        rollout = replace(rollout, engines=1, serving=1, held=0)
+    judge = replace(judge, outstanding=188.0, answered=12.0)  # two groups in the next 0.5 s
+    free = 1 if accepted else 0
+    return policy, rollout, judge, t + 2.5, policy.decide(PoolView(t + 3.0, free, (rollout, judge)))
+
+
+def test_a_donor_does_not_take_its_ranks_back_on_one_reading_that_jumps() -> None:
+    """The real pool job's wasted move: after that reading rollout took the rank straight
+    back, a 76 s start for nothing. A role that gave ranks takes ranks again no sooner than one
+    start of its engine after the give."""
+    policy, rollout, judge, gave, moves = a_rollout_give_then_a_judge_reading_that_jumps(True)
+    assert moves == []
+    # one start after the give, the rollout role's gain (a phase 60 s shorter) takes it back
+    (take,) = policy.decide(PoolView(gave + 81.0, 1, (rollout, replace(judge, outstanding=0))))
+    assert (take.role, take.direction, take.target) == ("rollout", "scale_out", 2)
+
+
+def test_a_give_the_scaler_refused_holds_the_donor_back_from_nothing() -> None:
+    """A give refused (an operator's scale-in of rollout was under way: 409) freed nothing for
+    the judge: once that scale-in freed the rank, rollout may take it again at once, not only
+    one start after a give that never was."""
+    policy, rollout, judge, gave, moves = a_rollout_give_then_a_judge_reading_that_jumps(False)
+    assert moves == []  # no free rank yet, and the judge's gain is gone
+    rollout = replace(rollout, held=0, engines=1, serving=1)  # the operator's scale-in ended
+    (take,) = policy.decide(PoolView(gave + 1.0, 1, (rollout, replace(judge, outstanding=0))))
+    assert (take.role, take.direction, take.target) == ("rollout", "scale_out", 2)
+
+
 def test_a_rollout_donor_that_could_not_restart_before_its_next_phase_counts_the_loss() -> None:
     policy = PoolPolicy(CONFIG)
     rollout = role("rollout", engines=4, serving=4, held=2, start_s=500.0)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from relax_launch.config import build_config
+from relax_launch.deadline import wait_until
 from relax_launch.inference.discovery import RoutingSpec, State, WeightSource
 from relax_launch.inference.engine import EngineHandle
 from relax_launch.inference.engine_load import EngineLoad, parse_load
@@ -53,7 +54,7 @@ class Ranks:
         self.commands.append(command)
         if isinstance(command, StartEngine):
             if self.gate is not None:
-                self.gate.wait(10)
+                self.gate.wait(60)  # a bound against a hang: the test sets it
             if command.index in self.fail:
                 raise RemoteError(f"command #1 'engine.start' failed on rank {ranks[0]}: boom")
             return {ranks[0]: f"http://10.0.0.{command.index}:30000"}
@@ -73,7 +74,23 @@ def genrm_manager() -> InferenceManager:
     return manager
 
 
-def rollout_scaler(tmp_path, monkeypatch, sync_lock: threading.Lock | None = None):
+class WaitedLock:
+    """The scaler's sync lock: ``waited`` is set once the scaler waits for it, held by the
+    test (as ``lock``, which records nothing)."""
+
+    def __init__(self) -> None:
+        self.lock, self.waited = threading.Lock(), threading.Event()
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            self.waited.set()
+            assert self.lock.acquire(timeout=60)  # a bound against a hang: the test releases it
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
+def rollout_scaler(tmp_path, monkeypatch, sync_lock=None):
     """A scaler of a rollout role with one planned engine serving synced weights and one
     reserved, its ranks' commands answered in process."""
     monkeypatch.setattr(scaling, "get_json", lambda url, path, timeout_s: {})
@@ -124,12 +141,16 @@ def scaler(tmp_path, monkeypatch):
     return made
 
 
-def ended(scaler, op, timeout_s: float = 10.0):
+def ended(scaler, op, timeout_s: float = 60.0):  # a bound against a hang only
     deadline = time.monotonic() + timeout_s
     while op.state in ("running", "cancelling"):
         assert time.monotonic() < deadline, op
         time.sleep(0.01)
     return op.document(scaler.actual(op.role))
+
+
+def replica_states(scaler, op) -> list[str]:
+    return [r["state"] for r in op.document(scaler.actual(op.role))["replicas"]]
 
 
 def routed(manager) -> list[str]:
@@ -169,7 +190,7 @@ def test_actual_counts_serving_engines_and_a_cancel_stops_the_started_ones(scale
     started by its head rank, and the count is as before."""
     scaler.ranks.gate = threading.Event()
     op = scaler.request("genrm", "scale_out", 3)
-    time.sleep(0.2)
+    assert wait_until(lambda: replica_states(scaler, op) == ["starting"] * 2, 60)
     doc = op.document(scaler.actual("genrm"))
     assert (doc["actual"], doc["target"]) == (1, 3) and scaler.count("genrm") == 3
     assert [r["state"] for r in doc["replicas"]] == ["starting", "starting"]
@@ -242,12 +263,12 @@ def test_scale_in_waits_for_the_requests_in_flight_then_stops_the_newest(scaler)
 
     def request_on(engine_id: str) -> None:
         with manager.requests.track(engine_id):
-            release.wait(10)
+            release.wait(60)  # a bound against a hang: the test sets it
 
     thread = threading.Thread(target=request_on, args=("tiny-llama/2",))
     thread.start()
     op = scaler.request("genrm", "scale_in", 2)
-    time.sleep(0.5)
+    assert wait_until(lambda: scaler.replicas("genrm")[2]["state"] == "draining", 60)
     assert op.state == "running" and routed(manager) == ["tiny-llama/0", "tiny-llama/1"]
     assert [r["state"] for r in scaler.replicas("genrm")][2] == "draining"
     assert not any(isinstance(c, StopEngine) for c in scaler.ranks.commands)  # still draining
@@ -376,14 +397,20 @@ def test_a_rollout_scale_out_that_times_out_stops_its_engine_only_between_syncs(
     """A scaled-out rollout engine is routed once a sync commits on it; when none does in time,
     the engine is stopped again, but never while a sync runs (it may have admitted the engine:
     stopping it there failed the sync, and its repair looked the engine up: a KeyError)."""
-    sync_lock = threading.Lock()
+    sync_lock = WaitedLock()
     scaler = rollout_scaler(tmp_path, monkeypatch, sync_lock)
     ranks = scaler.ranks
-    op = scaler.request("rollout", "scale_out", 2, timeout_s=1.0)
-    time.sleep(0.3)  # started, joining: a weight sync begins and holds the lock past the deadline
-    with sync_lock:
-        time.sleep(1.5)
-        assert not [c for c in ranks.commands if isinstance(c, StopEngine)], ranks.commands
+
+    def stops() -> list[StopEngine]:
+        return [c for c in ranks.commands if isinstance(c, StopEngine)]
+
+    op = scaler.request("rollout", "scale_out", 2, timeout_s=5.0)
+    # added as joining: a weight sync begins and holds the lock until the scale-out, its
+    # deadline passed, waits for it to stop the engine (or stops it anyway: the defect)
+    assert wait_until(lambda: replica_states(scaler, op) == ["weight_syncing"], 60)
+    with sync_lock.lock:
+        assert wait_until(lambda: sync_lock.waited.is_set() or stops(), 60), op.state
+        assert not stops(), ranks.commands
     document = ended(scaler, op)
     assert document["state"] == "failed" and "no weight sync committed" in document["error"]
     assert [type(c) for c in ranks.commands] == [StartEngine, StopEngine]

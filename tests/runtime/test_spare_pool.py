@@ -28,6 +28,7 @@ from relax_launch.placement import plan
 from relax_launch.placement.config import SpareAutoscaleConfig
 from relax_launch.placement.render import summary
 from relax_launch.runtime import autoscaler, pool_autoscaler, scaling
+from relax_launch.runtime.pool_policy import Move
 
 ENGINE = {"max_total_tokens": 2048}
 JOB = {
@@ -73,6 +74,22 @@ def test_a_pool_that_cannot_work_is_refused_naming_its_fields(change, fields) ->
     with pytest.raises(ConfigError) as error:
         plan(build_config(job))
     assert error.value.fields[: len(fields)] == fields, error.value
+
+
+def test_a_pool_engine_wider_than_a_node_takes_whole_nodes_as_the_planners_do() -> None:
+    """Two-rank nodes; genrm engines of TP 4 (two nodes each) at ranks 2-5 and on the pool."""
+    nodes = {"nproc_per_node": 2, "device": "cpu"}
+    wide = {"model": "builtin:tiny-llama", "ranks": 4, "tp_size": 4, "max_engines": 2}
+    job = {**JOB, "genrm": {**wide, "engine": ENGINE}, "algorithm": {"n_samples_per_prompt": 2}}
+    job.pop("teacher")
+    placed = plan(build_config({**job, "cluster": {**nodes, "nnodes": 5, "spare_ranks": 4}}))
+    assert [(e.ranks, e.nodes) for e in placed.engines if e.pool] == [((6, 7, 8, 9), (3, 4))]
+    # a one-rank teacher after genrm moves the pool's first rank to 7, inside node 3
+    off = {**JOB, "genrm": job["genrm"], "cluster": {**nodes, "nnodes": 6, "spare_ranks": 5}}
+    with pytest.raises(ConfigError, match="on the spare pool spans 4 ranks from rank 7") as error:
+        plan(build_config(off))
+    assert "must use whole nodes" in str(error.value)
+    assert error.value.fields == ("genrm.tp_size", "cluster.spare_ranks")
 
 
 def manager(role: str) -> InferenceManager:
@@ -157,6 +174,22 @@ def test_the_pool_autoscaler_moves_the_spare_to_a_burst_and_logs_why(scaler, mon
     }
 
 
+def test_the_pool_autoscaler_tells_its_policy_only_the_moves_the_scaler_took(scaler, monkeypatch):
+    """A give the scaler refused freed no rank: the policy must not count it (it would hold
+    the donor back from the pool for one start of its engine)."""
+    log = scaler.log_dir / "autoscaler.jsonl"
+    auto = pool_autoscaler.PoolAutoscaler(SpareAutoscaleConfig(), scaler, scaler.managers, log)
+    assert ended(scaler, scaler.request("genrm", "scale_out", 2))["state"] == "succeeded"
+    below = Move("genrm", "scale_in", 0, "for teacher", {"for": "teacher"})  # under its plan
+    give = Move("genrm", "scale_in", 1, "for teacher", {"for": "teacher"})
+    monkeypatch.setattr(auto.policy, "decide", lambda view: [below, give])
+    told: list[tuple[Move, float]] = []
+    monkeypatch.setattr(auto.policy, "accepted", lambda move, now: told.append((move, now)))
+    refused, taken = auto.tick(auto.view(100.0))
+    assert "refused" in refused and "request_id" in taken
+    assert told == [(give, 100.0)]
+
+
 def test_discovery_shows_the_pool_and_who_holds_it_as_the_admin_route_does(scaler) -> None:
     """``GET /{role}/engines`` (public) of every pool role carries the pool: its ranks, the
     free ones and the engine holding the others, from the scaler's one answer that the admin
@@ -214,11 +247,13 @@ def test_the_pool_autoscaler_reads_every_role_at_once_and_no_operation_list(
         answered.set()
 
     monkeypatch.setattr(autoscaler, "engine_load", unanswered)
+    reader = autoscaler.LoadReader(timeout_s=0.5)
     try:  # an engine that has not answered by the bound counts nothing, and is not waited on
-        assert autoscaler.read_loads(scaler.managers, timeout_s=0.5)["genrm"].queued == 0
+        assert reader.read(scaler.managers)["genrm"].queued == 0
         assert not answered.is_set()
     finally:
         answer.set()
+        reader.close()
 
     monkeypatch.setattr(autoscaler, "engine_load", lambda url, timeout_s: None)
     ended(scaler, scaler.request("genrm", "scale_out", 2))
@@ -226,3 +261,24 @@ def test_the_pool_autoscaler_reads_every_role_at_once_and_no_operation_list(
     monkeypatch.setattr(scaler, "listed", lambda role, kind: pytest.fail("scanned the list"))
     (genrm, _) = auto.view(1.0).roles
     assert genrm.start_s == measured.finished - measured.started
+    auto.close()
+
+
+def test_the_load_reader_keeps_one_thread_pool_for_its_life_and_ends_it_on_close(
+    scaler, monkeypatch
+) -> None:
+    """Every tick reads on the reader's own threads (none started per tick), and ``close``
+    leaves none of them running."""
+    threads = set()
+
+    def load(url, timeout_s):
+        threads.add(threading.current_thread())
+        return EngineLoad(queued=1, running=1, tokens_per_s=0)
+
+    monkeypatch.setattr(autoscaler, "engine_load", load)
+    reader = autoscaler.LoadReader(timeout_s=5.0)
+    for _ in range(6):
+        assert reader.read(scaler.managers)["teacher"].queued == 1
+    assert len(threads) <= 2  # two engines: a pool per tick would have made up to 12 threads
+    reader.close()
+    assert not any(thread.is_alive() for thread in threads)

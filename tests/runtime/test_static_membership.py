@@ -171,7 +171,7 @@ def test_with_no_engine_left_requests_wait_for_the_restart_announced_once(caplog
     """The role's only engine is dead; its head restarts it (the counts in the store), and
     the requests sent meanwhile wait and are answered by the restarted server."""
     port, store = free_port(), DictStore()
-    manager = static_role("teacher", [port])
+    manager = static_role("teacher", [port], restart_wait_s=60.0)  # only a hang reaches it
     members = StaticMembership(store, [manager], alive=lambda url: False)
     caplog.set_level(logging.INFO, logger=CONSOLE_LOGGER)
     order: list[str] = []  # the restart and the replies, as they happened
@@ -214,7 +214,7 @@ def test_with_no_engine_left_requests_wait_for_the_restart_announced_once(caplog
     assert members.metrics() == {"teacher/engines_serving": 1.0, "teacher/engine_restarts": 1.0}
     lines = [r.getMessage() for r in caplog.records if r.name == CONSOLE_LOGGER]
     waits = [line for line in lines if "every teacher engine is out of routing" in line]
-    assert len(waits) == 1 and "wait up to 5 s for one to serve again" in waits[0], lines
+    assert len(waits) == 1 and "wait up to 60 s for one to serve again" in waits[0], lines
     assert any("teacher engine 0 serves again (restarted, 1 of 3 restarts" in x for x in lines)
 
 
@@ -231,12 +231,13 @@ def test_the_wait_for_a_restart_is_bounded():
     began = time.monotonic()
     with pytest.raises(InferenceError, match="no genrm engine came back within 1 s") as refused:
         asyncio.run(scenario())
-    assert refused.value.status == 503 and 1.0 <= time.monotonic() - began < 5
+    # ended by its own bound: without one it would wait on (30: room for a loaded machine)
+    assert refused.value.status == 503 and 1.0 <= time.monotonic() - began < 30
 
 
 def test_a_rollout_sync_with_no_engine_left_waits_for_a_restart():
     members, store, manager = membership(2)
-    manager.restart_wait_s = 5.0
+    manager.restart_wait_s = 60.0  # only a hang reaches it
     for index in (0, 1):
         store.set(engine_key("down", "rollout", index), "1")
 

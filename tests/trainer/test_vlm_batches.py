@@ -182,6 +182,8 @@ def test_packed_micro_batches_restart_each_sequences_positions_and_keep_image_or
     assert arguments["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 2, 4]]
     assert arguments["pixel_values"][:, 0].tolist() == [3.0] * 8 + [1.0] * 8
     assert arguments["image_mask"][0].nonzero()[:, 0].tolist() == [1, 3, 7, 8]
+    # the tower's layout, from the grids on the CPU: three images of 4, 4, 8 patches
+    assert arguments["image_layout"].cu_seqlens.tolist() == [0, 4, 8, 16]
     # where each sequence spans, read on the CPU and given to the model's forward
     assert arguments["sequence_spans"] == [[(0, 5), (5, 11), (11, 13), (13, 16)]]
 
@@ -213,3 +215,22 @@ def test_the_forward_attends_by_the_given_spans_without_reading_its_positions(mo
 def _grids(shard: TokenBatch, i: int) -> torch.Tensor:
     images = shard.images[i]
     return torch.zeros(0, 3, dtype=torch.long) if images is None else images.grids
+
+
+@pytest.mark.parametrize("groups", [[[0, 1], [2]], [[2, 0], [1]]])
+def test_micro_batches_hold_no_copy_of_the_received_pixel_values(groups):
+    """A trainer rank's micro-batches keep views of the shard's received patches (one copy of
+    a step's pixel values), joined one micro-batch at a time in its forward: a view where the
+    rows lie in order (consecutive sequences), a copy for that forward else."""
+    ids, values, pixels = batch().pack()
+    shard = TokenBatch.unpack(ids, values, batch().shape(), pixels)  # as received
+    built = micro_batches.build(shard, groups, packed=False)
+    add_vision_inputs(built, shard, shape())
+    received = pixels.untyped_storage().data_ptr()
+    for micro_batch in (b for b in built if "pixel_values" in b):
+        parts = micro_batch["pixel_values"]
+        assert all(p.untyped_storage().data_ptr() == received for p in parts)
+        joined = vision_arguments(micro_batch)["pixel_values"]
+        assert torch.equal(joined, torch.cat(parts))
+    first = vision_arguments(built[0])["pixel_values"]  # rows 0 and 1 (text): in order
+    assert (first.untyped_storage().data_ptr() == received) == (groups[0] == [0, 1])
