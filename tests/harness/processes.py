@@ -3,6 +3,9 @@ environment (set by the ``no_process_outlives_the_test`` fixture), orphans inclu
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 
 import psutil
@@ -32,3 +35,29 @@ def seconds_until_gone(tag: str, since: float, limit_s: float = 90) -> float:
     left = [" ".join(p.cmdline())[:80] for p in processes_tagged(tag)]
     assert not left, f"left after {limit_s} s: {left}"
     return time.monotonic() - since
+
+
+def run_group(command: list[str], timeout_s: float, env: dict[str, str]) -> str:
+    """Run ``command`` in a process group of its own; its stderr. Past ``timeout_s`` (or
+    interrupted) the whole group is killed: killing torchrun alone leaves its ranks running,
+    orphaned and untagged when a module fixture started them, for the rest of the test run."""
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        raise AssertionError(f"{command[:2]} ran past {timeout_s} s: {stderr[-4000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stderr[-4000:]
+    return stderr

@@ -5,11 +5,11 @@ same way, and a store whose keys and bytes stay flat over the steps."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness.processes import run_group
 
 from relax_launch.inference.process import free_port
 from relax_launch.placement.plan import TrainerLayout
@@ -39,14 +39,7 @@ def run_job(
     world = first + tp * cp * dp * pp
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc-per-node", str(world), "--master-port", str(free_port())]
-    result = subprocess.run(
-        [*command, str(WORKER), str(out), *map(str, (first, tp, dp, pp, cp))],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_group([*command, str(WORKER), str(out), *map(str, (first, tp, dp, pp, cp))], 400, env)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
 
 

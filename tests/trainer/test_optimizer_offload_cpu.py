@@ -19,7 +19,9 @@ pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("optimizer_offload_worker.py")
 # Adam's normalised update (m / (sqrt(v) + eps)) turns rounding differences in gradients near
 # eps into update differences far above float rounding; a wrong step moves a weight by ~lr (1e-2).
-TOLERANCE = {"float32": 5e-5, "bfloat16": 1e-3}  # a bf16 weight may round the other way
+# The host's fused AdamW and the foreach one round differently by CPU (5.8e-5 on an AVX2-only
+# EPYC, under 5e-5 on others): still 50x below a wrong step.
+TOLERANCE = {"float32": 2e-4, "bfloat16": 1e-3}  # a bf16 weight may round the other way
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from harness.processes import run_group
+
 from relax_launch.inference.process import free_port
+
+TIMEOUT_S = 300
 
 
 def run_worker(worker: Path, ranks: int, args: list[str], env: dict[str, str]) -> list[dict]:
@@ -20,16 +23,9 @@ def run_worker(worker: Path, ranks: int, args: list[str], env: dict[str, str]) -
     loaded machine."""
     torchrun = Path(sys.executable).with_name("torchrun")
     with tempfile.TemporaryDirectory(prefix="torchrun-worker-") as log_dir:
-        result = subprocess.run(
-            [str(torchrun), "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-            + ["--log-dir", log_dir, "--redirects", "1"]
-            + [str(worker), *map(str, args)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
+        command = [str(torchrun), "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+        command += ["--log-dir", log_dir, "--redirects", "1", str(worker), *map(str, args)]
+        run_group(command, TIMEOUT_S, env)
         outputs = sorted(Path(log_dir).glob("**/attempt_*/*/stdout.log"), key=_local_rank)
         assert len(outputs) == ranks, f"expected {ranks} ranks' stdout, found {outputs}"
         lines = [line for out in outputs for line in out.read_text().splitlines()]
