@@ -3,6 +3,7 @@ environment (set by the ``no_process_outlives_the_test`` fixture), orphans inclu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -39,8 +40,9 @@ def seconds_until_gone(tag: str, since: float, limit_s: float = 90) -> float:
 
 def run_group(command: list[str], timeout_s: float, env: dict[str, str]) -> str:
     """Run ``command`` in a process group of its own; its stderr. Past ``timeout_s`` (or
-    interrupted) the whole group is killed: killing torchrun alone leaves its ranks running,
-    orphaned and untagged when a module fixture started them, for the rest of the test run."""
+    interrupted) it and every process under it are killed: killing torchrun alone leaves its
+    ranks (each in a session of its own) running, orphaned and untagged when a module fixture
+    started them, for the rest of the test run."""
     process = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
@@ -52,12 +54,25 @@ def run_group(command: list[str], timeout_s: float, env: dict[str, str]) -> str:
     try:
         _, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_tree(process)
         _, stderr = process.communicate()
         raise AssertionError(f"{command[:2]} ran past {timeout_s} s: {stderr[-4000:]}") from None
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_tree(process)
             process.wait()
     assert process.returncode == 0, stderr[-4000:]
     return stderr
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """Kill ``process``, its group and every descendant by PID: torchrun starts each rank in a
+    session of its own, out of torchrun's group."""
+    try:
+        tree = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    os.killpg(process.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()

@@ -15,10 +15,13 @@ from relax_launch.processes import running
 
 def test_a_command_past_its_limit_takes_its_children_with_it(tmp_path):
     pid_file = tmp_path / "child.pid"
-    # a parent that starts a child (writing its PID) and waits on it: torchrun and a rank
+    # a parent that starts a child in a session of its own (writing its PID) and waits on it:
+    # torchrun and a rank
     code = (
         "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "child = subprocess.Popen(\n"
+        "    [sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True\n"
+        ")\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "child.wait()\n"
     )

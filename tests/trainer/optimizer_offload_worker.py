@@ -30,6 +30,9 @@ from relax_launch.trainer.config import TrainerConfig
 
 STEPS = 3
 DEVICE: set[int] = set()  # storages standing in for device memory (DDP's parameter buffers)
+# held for the worker's life: a freed buffer's address, reused by a later host tensor, would
+# make that tensor "on the device" (seen: one bf16 Adam state, and its resume off by 9e-3)
+DEVICE_BUFFERS: list[torch.Tensor] = []
 
 
 def on_the_device(tensor: torch.Tensor) -> bool:
@@ -44,6 +47,7 @@ def cpu_as_the_device() -> None:
     build = trainer_module.build_optimizer
 
     def build_optimizer(model, section, pgc):
+        DEVICE_BUFFERS.extend(b.param_data for b in model.buffers)
         DEVICE.update(b.param_data.untyped_storage().data_ptr() for b in model.buffers)
         return build(model, section, pgc)
 
